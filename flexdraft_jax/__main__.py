@@ -1,0 +1,25 @@
+"""`python -m flexdraft_jax COMMAND [flags]`: generate, regenerate, train, eval."""
+
+import importlib
+import sys
+
+COMMANDS = {
+    "generate": "flexdraft_jax.cli",
+    "regenerate": "flexdraft_jax.training.regenerate",
+    "train": "flexdraft_jax.training.train",
+    "eval": "flexdraft_jax.evaluation.sweep",
+}
+
+
+def main():
+  if len(sys.argv) < 2 or sys.argv[1] not in COMMANDS:
+    print(f"usage: python -m flexdraft_jax {{{','.join(COMMANDS)}}} [flags]; "
+          "add --help after a command for its flags", file=sys.stderr)
+    sys.exit(2)
+  command = sys.argv[1]
+  module = importlib.import_module(COMMANDS[command])
+  module.run([f"flexdraft_jax {command}"] + sys.argv[2:])
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,47 @@
+"""Plain autoregressive decoding: the baseline, and flex's fallback step."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from flexdraft_jax.decoding.sampling import SamplingParams, sample
+from flexdraft_jax.decoding.state import DecodeState, emit
+from flexdraft_jax.model import transformer
+
+
+def ar_step(target_params, cfg, state: DecodeState, *, sp: SamplingParams,
+            max_new: int, stop_ids: tuple, attn_impl: str = "xla") -> DecodeState:
+  """Feeds the bonus at position `length`, samples the next token.
+
+  The drafts (if any) go stale: a speculative step after this must refresh them.
+  """
+  h, _, cache = transformer.forward(
+      target_params, cfg, state.cache, state.bonus_B[:, None],
+      state.length_B[:, None], attn_impl=attn_impl)
+  y = sample(transformer.logits(target_params, cfg, h)[:, 0],
+             jax.random.fold_in(state.key, state.steps), sp)
+  live = ~state.done_B
+  out, n_out, done, _ = emit(state, y[:, None], jnp.ones_like(y), max_new, stop_ids)
+  hist_idx = jnp.minimum(1, state.accept_hist.shape[0] - 1)
+  return state._replace(
+      cache=cache,
+      length_B=state.length_B + live,
+      bonus_B=jnp.where(live, y, state.bonus_B),
+      out_BxO=out, n_out_B=n_out, done_B=done,
+      steps=state.steps + 1,
+      accept_hist=state.accept_hist.at[hist_idx].add(jnp.sum(live)))
+
+
+def ar_loop(target_params, cfg, state: DecodeState, *, sp: SamplingParams,
+            max_new: int, stop_ids: tuple, attn_impl: str = "xla") -> DecodeState:
+  """All AR steps in one `lax.while_loop`: no host round trip per token."""
+
+  def body(st):
+    return ar_step(target_params, cfg, st, sp=sp, max_new=max_new,
+                   stop_ids=stop_ids, attn_impl=attn_impl)
+
+  def cond(st):
+    return ~jnp.all(st.done_B)
+
+  return jax.lax.while_loop(cond, body, state)

@@ -1,0 +1,278 @@
+"""`generate`: tokenise, batch, prefill, drive the jitted steps, collect results.
+
+The host drives *chunks*: one jitted `lax.while_loop` of up to `n` steps of one
+mode with a fixed group count, the state (and its KV cache) donated. Between
+chunks the host reads a few flags to pick the next mode / group bucket.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from flexdraft_jax.decoding import ar, flex, parallel, sequential, verify
+from flexdraft_jax.decoding.sampling import SamplingParams
+from flexdraft_jax.decoding.state import DecodeState, prefill
+from flexdraft_jax.drafter.model import Drafter
+from flexdraft_jax.model import transformer
+from flexdraft_jax.model.config import FlexDraftError
+
+MODES = ("ar", "parallel", "sequential", "flex")
+
+
+@dataclasses.dataclass
+class GenerateResult:
+  token_ids: list      # per prompt: new ids, up to and including a stop token
+  texts: list
+  stats: dict
+
+
+@dataclasses.dataclass(frozen=True)
+class SpecOptions:
+  """Speculative-mode knobs (static: each value compiles its own steps)."""
+  theta: float = 0.0
+  strategy: str = "cumulative_product"
+  flex_threshold: object = "auto"   # B*: an int, or "auto"
+  group_buckets: tuple = ()         # () -> powers of two up to bs
+
+  def validate(self):
+    if not 0.0 <= self.theta <= 1.0:
+      raise FlexDraftError(f"threshold θ must be in [0, 1], got {self.theta}")
+    if self.strategy not in verify.STRATEGIES:
+      raise FlexDraftError(f"strategy must be one of {verify.STRATEGIES}, "
+                           f"got {self.strategy!r}")
+    if self.flex_threshold != "auto" and (
+        not isinstance(self.flex_threshold, int) or self.flex_threshold < 0):
+      raise FlexDraftError(
+          f"flex threshold must be 'auto' or an integer >= 0, got {self.flex_threshold!r}")
+
+
+def _round_up(x: int, m: int) -> int:
+  return -(-x // m) * m
+
+
+def group_buckets(bs: int, opts: SpecOptions) -> tuple:
+  """Group counts G that get a compiled parallel step: 2, 3, 5, 9, 17 … capped at bs."""
+  if opts.group_buckets:
+    return tuple(sorted(opts.group_buckets))
+  out, v = [], 1
+  while v < bs - 1:
+    out.append(v + 1)
+    v *= 2
+  out.append(bs)
+  return tuple(sorted(set(out)))
+
+
+@functools.partial(jax.jit, static_argnames=(
+    "cfg", "dcfg", "S", "sp", "max_new", "out_len", "stop_ids", "attn_impl"))
+def _prefill(target_params, draft_params, prompt_BxP, plen_B, valid_B, key, *,
+             cfg, dcfg, S, sp, max_new, out_len, stop_ids, attn_impl):
+  B = prompt_BxP.shape[0]
+  cache = transformer.KVCache.zeros(cfg, B, S, target_params["embed"].dtype)
+  drafter = None if dcfg is None else Drafter(dcfg, draft_params)
+  return prefill(target_params, cfg, cache, prompt_BxP, plen_B, valid_B, key,
+                 sp=sp, max_new=max_new, out_len=out_len, stop_ids=stop_ids,
+                 drafter=drafter, attn_impl=attn_impl)
+
+
+@functools.partial(jax.jit, donate_argnames=("state",), static_argnames=(
+    "cfg", "dcfg", "mode", "num_groups", "n_steps", "sp", "max_new", "stop_ids",
+    "theta", "strategy", "attn_impl", "refresh"))
+def run_chunk(target_params, draft_params, state: DecodeState, *, cfg, dcfg, mode,
+              num_groups, n_steps, sp, max_new, stop_ids, theta, strategy,
+              attn_impl, refresh=False):
+  """Up to `n_steps` steps of one mode in a device loop (stops when all rows are done)."""
+  drafter = None if dcfg is None else Drafter(dcfg, draft_params)
+  kw = dict(sp=sp, max_new=max_new, stop_ids=stop_ids, attn_impl=attn_impl)
+  if refresh:  # drafts went stale during AR steps
+    state = verify.refresh_drafts(target_params, cfg, drafter, state,
+                                  attn_impl=attn_impl)
+  if mode == "ar":
+    step = lambda st: ar.ar_step(target_params, cfg, st, **kw)
+  elif mode == "sequential":
+    step = lambda st: sequential.sequential_step(target_params, cfg, drafter, st, **kw)
+  else:
+    step = lambda st: parallel.parallel_step(
+        target_params, cfg, drafter, st, num_groups=num_groups, theta=theta,
+        strategy=strategy, **kw)
+
+  def cond(carry):
+    i, st = carry
+    return (i < n_steps) & ~jnp.all(st.done_B)
+
+  def body(carry):
+    i, st = carry
+    return i + 1, step(st)
+
+  return jax.lax.while_loop(cond, body, (jnp.int32(0), state))[1]
+
+
+@functools.partial(jax.jit, static_argnames=("theta", "strategy"))
+def _needed_groups(state: DecodeState, *, theta, strategy):
+  vlen = verify.selective_vlen(state.conf_BxD, theta, strategy)
+  return jnp.max(jnp.where(state.done_B, 1, vlen)) + 1, jnp.sum(~state.done_B)
+
+
+def _encode_prompts(target, prompts, chat: bool):
+  tok = target.tokenizer
+  ids = []
+  for i, p in enumerate(prompts):
+    if isinstance(p, str):
+      x = tok.apply_chat_template(p) if chat else tok.encode(p)
+    else:
+      x = [int(t) for t in p]
+      bad = [t for t in x if not 0 <= t < target.config.vocab_size]
+      if bad:
+        raise FlexDraftError(f"prompt {i} has token id {bad[0]} outside the "
+                             f"vocabulary [0, {target.config.vocab_size})")
+    if not x:
+      bos = target.config.bos_token_id
+      if bos is None:
+        raise FlexDraftError(f"prompt {i} is empty and the model has no BOS token")
+      x = [bos]  # an empty prompt is generated from BOS
+    ids.append(list(x))
+  return ids
+
+
+def _stop_ids(target, stop) -> tuple:
+  if stop is None:
+    ids = tuple(target.config.eos_token_ids)
+  else:
+    ids = []
+    for s in stop:
+      if isinstance(s, str):
+        enc = target.tokenizer.encode(s)
+        if len(enc) != 1:
+          raise FlexDraftError(f"stop string {s!r} is not a single token")
+        s = enc[0]
+      ids.append(int(s))
+    ids = tuple(ids)
+  return tuple(sorted(set(ids)))
+
+
+def generate(target, prompts: Sequence, *, max_new_tokens: int = 128,
+             temperature: float = 0.0, top_k: Optional[int] = None,
+             top_p: Optional[float] = None, seed: int = 0,
+             drafter: Optional[Drafter] = None, mode: str = "ar",
+             chat: bool = False, stop=None, batch_size: Optional[int] = None,
+             max_len: Optional[int] = None, threshold: float = 0.0,
+             strategy: str = "cumulative_product", flex_threshold="auto",
+             attn_impl: str = "xla", chat_kwargs: Optional[dict] = None,
+             steps_per_call: int = 16) -> GenerateResult:
+  """Generates continuations of `prompts` (strings or id lists).
+
+  Every mode's output is the target's (token-identical to `ar` at T=0).
+  Returns GenerateResult(token_ids, texts, stats).
+  """
+  sp = SamplingParams(temperature, top_k, top_p)
+  opts = SpecOptions(threshold, strategy, flex_threshold)
+  opts.validate()
+  if mode not in MODES:
+    raise FlexDraftError(f"mode must be one of {MODES}, got {mode!r}")
+  if mode != "ar" and drafter is None:
+    raise FlexDraftError(f"mode {mode!r} needs a drafter (--drafter PATH)")
+  if max_new_tokens < 1:
+    raise FlexDraftError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+  if drafter is not None and mode != "ar":
+    from flexdraft_jax.drafter.compat import check_compatible
+    check_compatible(drafter, target)
+  if isinstance(prompts, str):
+    prompts = [prompts]
+  if not prompts:
+    raise FlexDraftError("no prompts given")
+  ids = _encode_prompts(target, prompts, chat)
+  stop_ids = _stop_ids(target, stop)
+  batch_size = batch_size or len(ids)
+  results, stats_list = [None] * len(ids), []
+  for start in range(0, len(ids), batch_size):
+    chunk = ids[start:start + batch_size]
+    toks, st = _generate_batch(target, chunk, max_new_tokens, sp, seed + start,
+                               drafter if mode != "ar" else None, mode, opts,
+                               stop_ids, max_len, attn_impl, steps_per_call)
+    results[start:start + len(chunk)] = toks
+    stats_list.append(st)
+  texts = [target.tokenizer.decode(t) for t in results]
+  return GenerateResult(results, texts, _merge_stats(stats_list, mode))
+
+
+def _capacity(cfg, plens, max_new, bs, max_len):
+  need = max(plens) + max_new + 2 * bs + 1
+  if max_len is not None:
+    longest = max(plens)
+    if longest + 1 > max_len:
+      raise FlexDraftError(f"a prompt has {longest} tokens, longer than the cache "
+                           f"(max_len={max_len})")
+    return max(max_len, _round_up(need, 64))
+  if max(plens) + max_new > cfg.max_position_embeddings:
+    raise FlexDraftError(
+        f"prompt of {max(plens)} tokens + max_new_tokens={max_new} exceeds the "
+        f"model's context of {cfg.max_position_embeddings}")
+  return _round_up(need, 64)
+
+
+def _generate_batch(target, ids, max_new, sp, seed, drafter, mode, opts,
+                    stop_ids, max_len, attn_impl, steps_per_call):
+  cfg = target.config
+  B = len(ids)
+  plens = [len(x) for x in ids]
+  bs = drafter.config.block_size if drafter is not None else 1
+  S = _capacity(cfg, plens, max_new, bs, max_len)
+  P = _round_up(max(plens), 16)
+  prompt = np.zeros((B, P), np.int32)
+  for i, x in enumerate(ids):
+    prompt[i, :len(x)] = x
+  dcfg = None if drafter is None else drafter.config
+  dparams = None if drafter is None else drafter.params
+  static = dict(cfg=cfg, dcfg=dcfg, sp=sp, max_new=max_new, stop_ids=stop_ids,
+                attn_impl=attn_impl)
+  t0 = time.perf_counter()
+  state = _prefill(target.params, dparams, jnp.asarray(prompt),
+                   jnp.asarray(plens, jnp.int32), jnp.ones((B,), bool),
+                   jax.random.PRNGKey(seed), S=S, out_len=max_new + bs, **static)
+  jax.block_until_ready(state)
+  t1 = time.perf_counter()
+  driver = flex.Driver(target, drafter, mode, opts, static, B, S,
+                       steps_per_call=steps_per_call)
+  state = driver.run(state, max_new)
+  t2 = time.perf_counter()
+  out = np.asarray(state.out_BxO)
+  n_out = np.asarray(state.n_out_B)
+  hist = np.asarray(state.accept_hist)
+  tokens = [out[i, :n_out[i]].tolist() for i in range(B)]
+  new_tokens = int(n_out.sum())
+  steps = int(np.asarray(state.steps))
+  committed = int((hist * np.arange(len(hist))).sum())
+  stats = {
+      "prefill_seconds": t1 - t0, "decode_seconds": t2 - t1,
+      "new_tokens": new_tokens, "steps": steps,
+      "committed_tokens": committed, "verified_row_steps": int(hist.sum()),
+      "accept_hist": hist.tolist(), "batch_size": B,
+  }
+  stats.update(driver.stats())
+  return tokens, stats
+
+
+def _merge_stats(parts, mode):
+  s = {"mode": mode}
+  for k in ("prefill_seconds", "decode_seconds", "new_tokens", "steps",
+            "committed_tokens", "verified_row_steps"):
+    s[k] = sum(p[k] for p in parts)
+  width = max(len(p["accept_hist"]) for p in parts)
+  hist = np.zeros(width, np.int64)
+  for p in parts:
+    hist[:len(p["accept_hist"])] += p["accept_hist"]
+  s["accept_hist"] = hist.tolist()
+  s["tokens_per_second"] = s["new_tokens"] / max(s["decode_seconds"], 1e-9)
+  s["tau"] = s["committed_tokens"] / max(s["verified_row_steps"], 1)
+  for k in ("group_counts", "mode_per_chunk"):
+    s[k] = [x for p in parts for x in p.get(k, [])]
+  for k in ("flex_threshold",):
+    if k in parts[0]:
+      s[k] = parts[0][k]
+  return s

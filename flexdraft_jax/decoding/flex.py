@@ -1,0 +1,159 @@
+"""The host-side driver of every mode, and flex's choice between them.
+
+Flex decoding (SPEC §2): parallel while the live batch is at or below `B*`,
+sequential above it. With `B* = "auto"` the driver measures one step of each
+candidate (ar, sequential, parallel at the needed group count) for this
+target, hardware and batch shape once — cached on disk — and picks the mode
+with the highest predicted tokens/s = τ_mode / t_mode (τ_ar = 1; the
+speculative τ is the one observed so far, or the drafts' own confidence
+before any step). Where neither speculative mode pays, that is plain AR.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+COST_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "flexdraft_jax",
+                          "step_costs.json")
+
+
+class Driver:
+  """Runs chunks of jitted steps until every row is done."""
+
+  def __init__(self, target, drafter, mode, opts, static, B, S, steps_per_call=16):
+    from flexdraft_jax.decoding import engine  # the jitted chunk lives there
+    self.engine = engine
+    self.target, self.drafter, self.mode, self.opts = target, drafter, mode, opts
+    self.static, self.B, self.S = static, B, S
+    self.steps_per_call = steps_per_call
+    self.bs = drafter.config.block_size if drafter is not None else 1
+    self.buckets = engine.group_buckets(self.bs, opts) if drafter else ()
+    self.group_counts, self.modes = [], []
+    self.costs = None
+    self.stale_drafts = False
+
+  def _chunk(self, state, mode, groups, n_steps):
+    refresh = self.stale_drafts and mode != "ar"
+    self.stale_drafts = (self.stale_drafts or mode == "ar") and not refresh
+    dparams = None if self.drafter is None else self.drafter.params
+    return self.engine.run_chunk(
+        self.target.params, dparams, state, mode=mode, num_groups=groups,
+        n_steps=n_steps, theta=self.opts.theta, strategy=self.opts.strategy,
+        refresh=refresh, **self.static)
+
+  def _bucket(self, needed: int) -> int:
+    return next(g for g in self.buckets if g >= needed)
+
+  def _needed(self, state):
+    g, live = self.engine._needed_groups(state, theta=self.opts.theta,
+                                         strategy=self.opts.strategy)
+    return int(g), int(live)
+
+  def run(self, state, max_new: int):
+    if self.mode == "ar":
+      self.modes.append("ar")
+      return self._chunk(state, "ar", 0, max_new)
+    while not bool(np.asarray(state.done_B).all()):
+      groups, live = self._needed(state)
+      mode = self._choose(state, live, groups)
+      g = self._bucket(groups) if mode == "parallel" else 0
+      selective = mode == "parallel" and self.opts.theta > 0
+      n = 1 if selective else self.steps_per_call
+      state = self._chunk(state, mode, g, n)
+      self.modes.append(mode)
+      if mode == "parallel":
+        self.group_counts.append(g)
+    return state
+
+  def _choose(self, state, live: int, groups: int) -> str:
+    if self.mode != "flex":
+      return self.mode
+    if self.opts.flex_threshold != "auto":
+      return "parallel" if live <= self.opts.flex_threshold else "sequential"
+    if self.costs is None:
+      self.costs = self._measure(state)
+    tau = self._tau(state)
+    g = str(self._bucket(groups))
+    rate = {"ar": 1.0 / self.costs["ar"],
+            "sequential": tau / self.costs["sequential"],
+            "parallel": tau / self.costs["parallel"][g]}
+    return max(rate, key=rate.get)
+
+  def _tau(self, state) -> float:
+    hist = np.asarray(state.accept_hist)
+    if hist.sum() >= 4:
+      return float((hist * np.arange(len(hist))).sum() / hist.sum())
+    conf = np.asarray(state.conf_BxD)
+    return 1.0 + float(np.cumprod(conf, axis=1).sum(1).mean())
+
+  def _cost_key(self) -> str:
+    dev = jax.devices()[0]
+    d = self.drafter.config
+    return "|".join(map(str, (self.target.fingerprint, dev.platform, dev.device_kind,
+                              len(jax.devices()), self.B, self.S, d.block_size,
+                              d.num_layers, self.buckets)))
+
+  def _measure(self, state) -> dict:
+    """Seconds per step of each mode at this batch shape (cached on disk)."""
+    key = self._cost_key()
+    table = _read_costs()
+    if key in table:
+      return table[key]
+    costs = {"ar": self._time(state, "ar", 0), "sequential": self._time(state, "sequential", 0),
+             "parallel": {str(g): self._time(state, "parallel", g) for g in self.buckets}}
+    table[key] = costs
+    _write_costs(table)
+    return costs
+
+  def _time(self, state, mode, groups, reps: int = 3) -> float:
+    probe = jax.tree.map(lambda x: x.copy(), state)
+
+    def step(st):  # every row live, nothing emitted yet: one full step of work
+      st = st._replace(done_B=jnp.zeros_like(st.done_B), n_out_B=jnp.zeros_like(st.n_out_B))
+      return self._chunk_no_track(st, mode, groups)
+
+    for _ in range(2):  # compile + warm
+      probe = step(probe)
+    jax.block_until_ready(probe)
+    t = time.perf_counter()
+    for _ in range(reps):
+      probe = step(probe)
+    jax.block_until_ready(probe)
+    return (time.perf_counter() - t) / reps
+
+  def _chunk_no_track(self, state, mode, groups):
+    dparams = self.drafter.params
+    return self.engine.run_chunk(
+        self.target.params, dparams, state, mode=mode, num_groups=groups,
+        n_steps=1, theta=self.opts.theta, strategy=self.opts.strategy,
+        refresh=False, **self.static)
+
+  def stats(self) -> dict:
+    out = {"group_counts": self.group_counts, "mode_per_chunk": self.modes}
+    if self.mode == "flex":
+      out["flex_threshold"] = self.opts.flex_threshold
+      if self.costs is not None:
+        out["step_costs"] = self.costs
+    return out
+
+
+def _read_costs() -> dict:
+  try:
+    with open(COST_CACHE) as f:
+      return json.load(f)
+  except (OSError, ValueError):
+    return {}
+
+
+def _write_costs(table: dict):
+  os.makedirs(os.path.dirname(COST_CACHE), exist_ok=True)
+  tmp = COST_CACHE + ".tmp"
+  with open(tmp, "w") as f:
+    json.dump(table, f, indent=1)
+  os.replace(tmp, COST_CACHE)

@@ -1,0 +1,54 @@
+"""Turning target logits into tokens: greedy, temperature, top-k, top-p."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+
+from flexdraft_jax.model.config import FlexDraftError
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+  temperature: float = 0.0
+  top_k: Optional[int] = None
+  top_p: Optional[float] = None
+
+  def __post_init__(self):
+    if self.temperature < 0:
+      raise FlexDraftError(f"temperature must be >= 0, got {self.temperature}")
+    if self.top_k is not None and self.top_k < 1:
+      raise FlexDraftError(f"top_k must be >= 1, got {self.top_k}")
+    if self.top_p is not None and not 0 < self.top_p <= 1:
+      raise FlexDraftError(f"top_p must be in (0, 1], got {self.top_p}")
+
+  @property
+  def greedy(self) -> bool:
+    return self.temperature == 0.0
+
+
+def processed_logits(logits_xV, sp: SamplingParams):
+  """Logits of the distribution actually sampled from (temperature, top-k, top-p)."""
+  x = logits_xV.astype(jnp.float32) / sp.temperature
+  if sp.top_k is not None and sp.top_k < x.shape[-1]:
+    kth = jax.lax.top_k(x, sp.top_k)[0][..., -1:]
+    x = jnp.where(x < kth, -jnp.inf, x)
+  if sp.top_p is not None and sp.top_p < 1.0:
+    sorted_desc = -jnp.sort(-x, axis=-1)
+    probs = jax.nn.softmax(sorted_desc, axis=-1)
+    # Keep the smallest prefix whose mass reaches top_p (always the top token).
+    mass_before = jnp.cumsum(probs, axis=-1) - probs
+    cutoff_idx = jnp.sum(mass_before < sp.top_p, axis=-1, keepdims=True) - 1
+    cutoff = jnp.take_along_axis(sorted_desc, cutoff_idx, axis=-1)
+    x = jnp.where(x < cutoff, -jnp.inf, x)
+  return x
+
+
+def sample(logits_xV, key, sp: SamplingParams):
+  """One token per row of `logits_[...]xV`: argmax at T=0, else a sample."""
+  if sp.greedy:
+    return jnp.argmax(logits_xV, axis=-1).astype(jnp.int32)
+  return jax.random.categorical(key, processed_logits(logits_xV, sp)).astype(jnp.int32)

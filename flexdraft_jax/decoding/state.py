@@ -1,0 +1,107 @@
+"""Decode state shared by every mode, and the prefill that creates it.
+
+Invariant (SPEC §2): the cache holds positions `0..length-1` of each row; the
+current `bonus` token sits at position `length` and is not yet in the cache;
+`drafts` are the guesses for positions `length+1 .. length+bs-1`.
+Output tokens are appended to `out` as they are decided (the bonus included).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+
+from flexdraft_jax.decoding.sampling import SamplingParams, sample
+from flexdraft_jax.drafter import model as drafter_model
+from flexdraft_jax.model import transformer
+
+
+class DecodeState(NamedTuple):
+  cache: transformer.KVCache
+  length_B: jax.Array      # int32, committed length c
+  bonus_B: jax.Array       # int32, token at position c
+  drafts_BxD: jax.Array    # int32 [B, bs-1] (D = 0 without a drafter)
+  conf_BxD: jax.Array      # f32, max draft probability of each draft
+  out_BxO: jax.Array       # int32 output buffer
+  n_out_B: jax.Array       # int32 tokens emitted
+  done_B: jax.Array        # bool
+  key: jax.Array
+  steps: jax.Array         # int32 target forwards (verification steps)
+  accept_hist: jax.Array   # int32 [bs+1]: histogram of tokens committed per step
+
+
+def emit(state: DecodeState, new_BxE, n_new_B, max_new: int, stop_ids: tuple):
+  """Appends the first `n_new` of `new_BxE` to each live row's output.
+
+  A row stops after its first stop token or at `max_new` tokens.
+  Returns (out, n_out, done, n_emitted).
+  """
+  B, E = new_BxE.shape
+  j = jnp.arange(E)[None, :]
+  n_new_B = jnp.where(state.done_B, 0, n_new_B)
+  is_stop = jnp.zeros((B, E), bool)
+  for s in stop_ids:
+    is_stop |= new_BxE == s
+  is_stop &= j < n_new_B[:, None]
+  first_stop = jnp.where(is_stop.any(1), jnp.argmax(is_stop, axis=1), E)
+  n = jnp.minimum(n_new_B, first_stop + 1)
+  n = jnp.minimum(n, max_new - state.n_out_B)
+  b_BxE = jnp.broadcast_to(jnp.arange(B)[:, None], (B, E))
+  idx = jnp.where(j < n[:, None], state.n_out_B[:, None] + j, state.out_BxO.shape[1])
+  out = state.out_BxO.at[b_BxE, idx].set(new_BxE, mode="drop")
+  n_out = state.n_out_B + n
+  done = state.done_B | (first_stop < n) | (n_out >= max_new)
+  return out, n_out, done, n
+
+
+def _draft_from_hidden(target_params, cfg, drafter, hm_BxbsxH, bonus_B):
+  """Drafts d1..d_{bs-1} (argmax of calibrated logits) and their confidences."""
+  h = hm_BxbsxH[:, 1:]
+  bonus = jnp.broadcast_to(bonus_B[:, None], h.shape[:2])
+  lg = drafter_model.draft_logits(target_params, cfg, drafter, h, bonus)
+  probs_max = jnp.max(jax.nn.softmax(lg, axis=-1), axis=-1)
+  return jnp.argmax(lg, axis=-1).astype(jnp.int32), probs_max
+
+
+def mask_block(start_B, limit_B, num_groups: int, bs: int):
+  """MaskRows for `num_groups` groups; group g at start+g .. start+g+bs-1, limit+g."""
+  g_M = jnp.repeat(jnp.arange(num_groups, dtype=jnp.int32), bs)
+  j_M = jnp.tile(jnp.arange(bs, dtype=jnp.int32), num_groups)
+  pos = start_B[:, None] + g_M[None, :] + j_M[None, :]
+  limit = limit_B[:, None] + g_M[None, :]
+  return transformer.MaskRows(pos_BxM=pos, limit_BxM=limit, group_M=g_M)
+
+
+def prefill(target_params, cfg, cache, prompt_BxP, plen_B, valid_B, key, *,
+            sp: SamplingParams, max_new: int, out_len: int, stop_ids: tuple,
+            drafter: Optional[drafter_model.Drafter] = None,
+            attn_impl: str = "xla") -> DecodeState:
+  """Prompts through the target (and the first mask block), first token t0."""
+  B, P = prompt_BxP.shape
+  pos = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P))
+  masks, L, bs = None, 0, 1
+  if drafter is not None:
+    bs, L = drafter.config.block_size, drafter.config.num_layers
+    masks = mask_block(plen_B, plen_B - 1, 1, bs)
+  h, hm, cache = transformer.forward(
+      target_params, cfg, cache, prompt_BxP, pos,
+      draft=None if drafter is None else drafter.params, masks=masks,
+      num_draft_layers=L, attn_impl=attn_impl)
+  h_last = jnp.take_along_axis(h, (plen_B - 1)[:, None, None], axis=1)
+  key, sub = jax.random.split(key)
+  t0 = sample(transformer.logits(target_params, cfg, h_last)[:, 0], sub, sp)
+  if drafter is not None:
+    drafts, conf = _draft_from_hidden(target_params, cfg, drafter, hm, t0)
+  else:
+    drafts, conf = jnp.zeros((B, 0), jnp.int32), jnp.zeros((B, 0), jnp.float32)
+  state = DecodeState(
+      cache=cache, length_B=plen_B.astype(jnp.int32), bonus_B=t0,
+      drafts_BxD=drafts, conf_BxD=conf,
+      out_BxO=jnp.zeros((B, out_len), jnp.int32),
+      n_out_B=jnp.zeros((B,), jnp.int32), done_B=~valid_B, key=key,
+      steps=jnp.zeros((), jnp.int32), accept_hist=jnp.zeros((bs + 1,), jnp.int32))
+  out, n_out, done, _ = emit(state, t0[:, None], jnp.ones((B,), jnp.int32),
+                             max_new, stop_ids)
+  return state._replace(out_BxO=out, n_out_B=n_out, done_B=done)

@@ -1,0 +1,74 @@
+"""Verification (SPEC §3) and selective-verification lengths (SPEC §2)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from flexdraft_jax.decoding.sampling import SamplingParams, sample
+from flexdraft_jax.decoding.state import DecodeState, _draft_from_hidden, emit, mask_block
+from flexdraft_jax.model import transformer
+
+STRATEGIES = ("cumulative_product", "min_confidence")
+
+
+def selective_vlen(conf_BxD, theta: float, strategy: str):
+  """How many drafts to verify: leading slots whose confidence passes θ, in [1, D]."""
+  D = conf_BxD.shape[1]
+  score = jnp.cumprod(conf_BxD, axis=1) if strategy == "cumulative_product" else conf_BxD
+  passing = jnp.cumprod(score >= theta, axis=1)
+  return jnp.clip(jnp.sum(passing, axis=1), 1, D).astype(jnp.int32)
+
+
+def verify_block(target_params, cfg, h_BxbsxH, state: DecodeState, vlen_B,
+                 sp: SamplingParams):
+  """Target tokens y_i at every verify position and the accepted count a.
+
+  Drafts are deterministic, so accepting while the sampled `y_i == d_{i+1}` is
+  exact rejection sampling for a point-mass draft: lossless at any T.
+  """
+  lg = transformer.logits(target_params, cfg, h_BxbsxH)
+  y = sample(lg, jax.random.fold_in(state.key, state.steps), sp)
+  D = state.drafts_BxD.shape[1]
+  ok = (y[:, :D] == state.drafts_BxD) & (jnp.arange(D)[None] < vlen_B[:, None])
+  a = jnp.sum(jnp.cumprod(ok, axis=1), axis=1).astype(jnp.int32)
+  return y, a
+
+
+def commit(state: DecodeState, y_Bxbs, a_B, cache, *, max_new: int,
+           stop_ids: tuple) -> DecodeState:
+  """Emits d1..da and the new bonus y_a; advances the committed length by a+1."""
+  B, bs = y_Bxbs.shape
+  j = jnp.arange(bs)[None]
+  bonus = jnp.take_along_axis(y_Bxbs, a_B[:, None], axis=1)[:, 0]
+  drafts = jnp.pad(state.drafts_BxD, ((0, 0), (0, 1)))
+  new = jnp.where(j < a_B[:, None], drafts, bonus[:, None])
+  live = ~state.done_B
+  out, n_out, done, _ = emit(state, new, a_B + 1, max_new, stop_ids)
+  return state._replace(
+      cache=cache,
+      length_B=jnp.where(live, state.length_B + a_B + 1, state.length_B),
+      bonus_B=jnp.where(live, bonus, state.bonus_B),
+      out_BxO=out, n_out_B=n_out, done_B=done, steps=state.steps + 1,
+      accept_hist=state.accept_hist.at[a_B + 1].add(live.astype(jnp.int32)))
+
+
+def set_drafts(target_params, cfg, drafter, state: DecodeState, hm_BxbsxH,
+               old: DecodeState) -> DecodeState:
+  """New drafts from one mask group's hidden states and the (new) bonus."""
+  drafts, conf = _draft_from_hidden(target_params, cfg, drafter, hm_BxbsxH,
+                                    state.bonus_B)
+  live = ~old.done_B[:, None]
+  return state._replace(drafts_BxD=jnp.where(live, drafts, old.drafts_BxD),
+                        conf_BxD=jnp.where(live, conf, old.conf_BxD))
+
+
+def refresh_drafts(target_params, cfg, drafter, state: DecodeState, *,
+                   attn_impl: str = "xla") -> DecodeState:
+  """One mask group on the bonus's position through the deep layers only."""
+  bs, L = drafter.config.block_size, drafter.config.num_layers
+  masks = mask_block(state.length_B, state.length_B - 1, 1, bs)
+  _, hm, _ = transformer.forward(target_params, cfg, state.cache, None, None,
+                                 draft=drafter.params, masks=masks,
+                                 num_draft_layers=L, attn_impl=attn_impl)
+  return set_drafts(target_params, cfg, drafter, state, hm, state)
