@@ -1,0 +1,51 @@
+"""Backend selection, compiler parameters and interpret modes."""
+
+from __future__ import annotations
+
+import jax
+
+from flexdraft_jax.kernels import _common as C
+
+BACKENDS = ("tpu", "gpu")
+
+
+def resolve_backend(backend: str) -> str:
+  """"auto" -> the kernel family for `jax.default_backend()`.
+
+  On CPU (no Pallas compiler) "auto" picks the gpu-structured kernels, which
+  the generic Pallas interpreter runs fastest.
+  """
+  if backend == "auto":
+    return "tpu" if jax.default_backend() == "tpu" else "gpu"
+  if backend not in BACKENDS:
+    raise ValueError(f"backend must be auto, tpu or gpu, got {backend!r}")
+  return backend
+
+
+def resolve_interpret(backend: str, interpret) -> bool:
+  """None -> interpret iff the running platform cannot compile `backend`."""
+  if interpret is None:
+    return jax.default_backend() != backend
+  return bool(interpret)
+
+
+def interpret_arg(cfg: C.Cfg):
+  """The `interpret=` value of pallas_call for this configuration."""
+  if not cfg.interpret:
+    return False
+  if cfg.backend == "tpu":
+    # TPU interpret mode simulates HBM/VMEM/SMEM, DMAs and semaphores.
+    from jax.experimental.pallas import tpu as pltpu
+    return pltpu.InterpretParams()
+  return True
+
+
+def compiler_params(cfg: C.Cfg, grid_rank: int):
+  if cfg.backend == "tpu":
+    from jax.experimental.pallas import tpu as pltpu
+    # Every grid axis is independent (each program owns its output block).
+    return pltpu.CompilerParams(
+        dimension_semantics=("parallel",) * grid_rank)
+  from jax.experimental.pallas import triton as plgpu
+  warps = 4 if cfg.bq * cfg.bk <= 64 * 64 else 8
+  return plgpu.CompilerParams(num_warps=warps, num_stages=2)
