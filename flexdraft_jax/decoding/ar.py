@@ -6,19 +6,19 @@ import jax
 import jax.numpy as jnp
 
 from flexdraft_jax.decoding.sampling import SamplingParams, sample
-from flexdraft_jax.decoding.state import DecodeState, emit
+from flexdraft_jax.decoding.state import KV_BLOCK, DecodeState, emit
 from flexdraft_jax.model import transformer
 
 
 def ar_step(target_params, cfg, state: DecodeState, *, sp: SamplingParams,
-            max_new: int, stop_ids: tuple, attn_impl: str = "xla") -> DecodeState:
+            max_new, stop_ids, attn_impl: str = "xla") -> DecodeState:
   """Feeds the bonus at position `length`, samples the next token.
 
   The drafts (if any) go stale: a speculative step after this must refresh them.
   """
   h, _, cache = transformer.forward(
       target_params, cfg, state.cache, state.bonus_B[:, None],
-      state.length_B[:, None], attn_impl=attn_impl)
+      state.length_B[:, None], attn_impl=attn_impl, kv_block=KV_BLOCK)
   y = sample(transformer.logits(target_params, cfg, h)[:, 0],
              jax.random.fold_in(state.key, state.steps), sp)
   live = ~state.done_B
@@ -34,7 +34,7 @@ def ar_step(target_params, cfg, state: DecodeState, *, sp: SamplingParams,
 
 
 def ar_loop(target_params, cfg, state: DecodeState, *, sp: SamplingParams,
-            max_new: int, stop_ids: tuple, attn_impl: str = "xla") -> DecodeState:
+            max_new, stop_ids, attn_impl: str = "xla") -> DecodeState:
   """All AR steps in one `lax.while_loop`: no host round trip per token."""
 
   def body(st):

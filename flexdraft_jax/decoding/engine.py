@@ -18,7 +18,7 @@ import numpy as np
 
 from flexdraft_jax.decoding import ar, flex, parallel, sequential, verify
 from flexdraft_jax.decoding.sampling import SamplingParams
-from flexdraft_jax.decoding.state import DecodeState, prefill
+from flexdraft_jax.decoding.state import KV_BLOCK, DecodeState, prefill
 from flexdraft_jax.drafter.model import Drafter
 from flexdraft_jax.model import transformer
 from flexdraft_jax.model.config import FlexDraftError
@@ -70,7 +70,7 @@ def group_buckets(bs: int, opts: SpecOptions) -> tuple:
 
 
 @functools.partial(jax.jit, static_argnames=(
-    "cfg", "dcfg", "S", "sp", "max_new", "out_len", "stop_ids", "attn_impl"))
+    "cfg", "dcfg", "S", "sp", "out_len", "attn_impl"))
 def _prefill(target_params, draft_params, prompt_BxP, plen_B, valid_B, key, *,
              cfg, dcfg, S, sp, max_new, out_len, stop_ids, attn_impl):
   B = prompt_BxP.shape[0]
@@ -82,8 +82,7 @@ def _prefill(target_params, draft_params, prompt_BxP, plen_B, valid_B, key, *,
 
 
 @functools.partial(jax.jit, donate_argnames=("state",), static_argnames=(
-    "cfg", "dcfg", "mode", "num_groups", "n_steps", "sp", "max_new", "stop_ids",
-    "theta", "strategy", "attn_impl", "refresh"))
+    "cfg", "dcfg", "mode", "num_groups", "sp", "strategy", "attn_impl", "refresh"))
 def run_chunk(target_params, draft_params, state: DecodeState, *, cfg, dcfg, mode,
               num_groups, n_steps, sp, max_new, stop_ids, theta, strategy,
               attn_impl, refresh=False):
@@ -113,7 +112,7 @@ def run_chunk(target_params, draft_params, state: DecodeState, *, cfg, dcfg, mod
   return jax.lax.while_loop(cond, body, (jnp.int32(0), state))[1]
 
 
-@functools.partial(jax.jit, static_argnames=("theta", "strategy"))
+@functools.partial(jax.jit, static_argnames=("strategy",))
 def _needed_groups(state: DecodeState, *, theta, strategy):
   vlen = verify.selective_vlen(state.conf_BxD, theta, strategy)
   return jnp.max(jnp.where(state.done_B, 1, vlen)) + 1, jnp.sum(~state.done_B)
@@ -140,6 +139,13 @@ def _encode_prompts(target, prompts, chat: bool):
   return ids
 
 
+MAX_STOP_IDS = 8
+
+
+def _stop_array(stop_ids: tuple) -> jax.Array:
+  return jnp.asarray(list(stop_ids) + [-1] * (MAX_STOP_IDS - len(stop_ids)), jnp.int32)
+
+
 def _stop_ids(target, stop) -> tuple:
   if stop is None:
     ids = tuple(target.config.eos_token_ids)
@@ -153,7 +159,10 @@ def _stop_ids(target, stop) -> tuple:
         s = enc[0]
       ids.append(int(s))
     ids = tuple(ids)
-  return tuple(sorted(set(ids)))
+  ids = tuple(sorted(set(ids)))
+  if len(ids) > MAX_STOP_IDS:
+    raise FlexDraftError(f"at most {MAX_STOP_IDS} stop tokens, got {len(ids)}")
+  return ids
 
 
 def generate(target, prompts: Sequence, *, max_new_tokens: int = 128,
@@ -163,7 +172,7 @@ def generate(target, prompts: Sequence, *, max_new_tokens: int = 128,
              chat: bool = False, stop=None, batch_size: Optional[int] = None,
              max_len: Optional[int] = None, threshold: float = 0.0,
              strategy: str = "cumulative_product", flex_threshold="auto",
-             attn_impl: str = "xla", chat_kwargs: Optional[dict] = None,
+             attn_impl: str = "xla", block_size: Optional[int] = None,
              steps_per_call: int = 16) -> GenerateResult:
   """Generates continuations of `prompts` (strings or id lists).
 
@@ -182,6 +191,7 @@ def generate(target, prompts: Sequence, *, max_new_tokens: int = 128,
   if drafter is not None and mode != "ar":
     from flexdraft_jax.drafter.compat import check_compatible
     check_compatible(drafter, target)
+    drafter = _with_block_size(drafter, block_size)
   if isinstance(prompts, str):
     prompts = [prompts]
   if not prompts:
@@ -201,6 +211,17 @@ def generate(target, prompts: Sequence, *, max_new_tokens: int = 128,
   return GenerateResult(results, texts, _merge_stats(stats_list, mode))
 
 
+def _with_block_size(drafter: Drafter, block_size: Optional[int]) -> Drafter:
+  """A drafter may decode with a smaller block than it was trained with."""
+  trained = drafter.config.block_size
+  if block_size is None or block_size == trained:
+    return drafter
+  if not 2 <= block_size <= trained:
+    raise FlexDraftError(f"block size {block_size} is not supported by this drafter "
+                         f"(trained with {trained}; use 2..{trained})")
+  return drafter._replace(config=dataclasses.replace(drafter.config, block_size=block_size))
+
+
 def _capacity(cfg, plens, max_new, bs, max_len):
   need = max(plens) + max_new + 2 * bs + 1
   if max_len is not None:
@@ -208,12 +229,12 @@ def _capacity(cfg, plens, max_new, bs, max_len):
     if longest + 1 > max_len:
       raise FlexDraftError(f"a prompt has {longest} tokens, longer than the cache "
                            f"(max_len={max_len})")
-    return max(max_len, _round_up(need, 64))
+    return _round_up(max(max_len, need), KV_BLOCK)
   if max(plens) + max_new > cfg.max_position_embeddings:
     raise FlexDraftError(
         f"prompt of {max(plens)} tokens + max_new_tokens={max_new} exceeds the "
         f"model's context of {cfg.max_position_embeddings}")
-  return _round_up(need, 64)
+  return _round_up(need, KV_BLOCK)
 
 
 def _generate_batch(target, ids, max_new, sp, seed, drafter, mode, opts,
@@ -223,23 +244,24 @@ def _generate_batch(target, ids, max_new, sp, seed, drafter, mode, opts,
   plens = [len(x) for x in ids]
   bs = drafter.config.block_size if drafter is not None else 1
   S = _capacity(cfg, plens, max_new, bs, max_len)
-  P = _round_up(max(plens), 16)
+  P = _round_up(max(plens), 32)
   prompt = np.zeros((B, P), np.int32)
   for i, x in enumerate(ids):
     prompt[i, :len(x)] = x
   dcfg = None if drafter is None else drafter.config
   dparams = None if drafter is None else drafter.params
-  static = dict(cfg=cfg, dcfg=dcfg, sp=sp, max_new=max_new, stop_ids=stop_ids,
-                attn_impl=attn_impl)
+  static = dict(cfg=cfg, dcfg=dcfg, sp=sp, attn_impl=attn_impl)
+  traced = dict(max_new=jnp.int32(max_new), stop_ids=_stop_array(stop_ids))
   t0 = time.perf_counter()
   state = _prefill(target.params, dparams, jnp.asarray(prompt),
                    jnp.asarray(plens, jnp.int32), jnp.ones((B,), bool),
-                   jax.random.PRNGKey(seed), S=S, out_len=max_new + bs, **static)
+                   jax.random.PRNGKey(seed), S=S, out_len=_round_up(max_new + bs, 64),
+                   **static, **traced)
   jax.block_until_ready(state)
   t1 = time.perf_counter()
-  driver = flex.Driver(target, drafter, mode, opts, static, B, S,
+  driver = flex.Driver(target, drafter, mode, opts, static, traced, B, S,
                        steps_per_call=steps_per_call)
-  state = driver.run(state, max_new)
+  state = jax.block_until_ready(driver.run(state, max_new))
   t2 = time.perf_counter()
   out = np.asarray(state.out_BxO)
   n_out = np.asarray(state.n_out_B)

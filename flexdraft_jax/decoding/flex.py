@@ -26,11 +26,12 @@ COST_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "flexdraft_jax",
 class Driver:
   """Runs chunks of jitted steps until every row is done."""
 
-  def __init__(self, target, drafter, mode, opts, static, B, S, steps_per_call=16):
+  def __init__(self, target, drafter, mode, opts, static, traced, B, S,
+               steps_per_call=16):
     from flexdraft_jax.decoding import engine  # the jitted chunk lives there
     self.engine = engine
     self.target, self.drafter, self.mode, self.opts = target, drafter, mode, opts
-    self.static, self.B, self.S = static, B, S
+    self.static, self.traced, self.B, self.S = static, traced, B, S
     self.steps_per_call = steps_per_call
     self.bs = drafter.config.block_size if drafter is not None else 1
     self.buckets = engine.group_buckets(self.bs, opts) if drafter else ()
@@ -44,14 +45,14 @@ class Driver:
     dparams = None if self.drafter is None else self.drafter.params
     return self.engine.run_chunk(
         self.target.params, dparams, state, mode=mode, num_groups=groups,
-        n_steps=n_steps, theta=self.opts.theta, strategy=self.opts.strategy,
-        refresh=refresh, **self.static)
+        n_steps=jnp.int32(n_steps), theta=jnp.float32(self.opts.theta),
+        strategy=self.opts.strategy, refresh=refresh, **self.static, **self.traced)
 
   def _bucket(self, needed: int) -> int:
     return next(g for g in self.buckets if g >= needed)
 
   def _needed(self, state):
-    g, live = self.engine._needed_groups(state, theta=self.opts.theta,
+    g, live = self.engine._needed_groups(state, theta=jnp.float32(self.opts.theta),
                                          strategy=self.opts.strategy)
     return int(g), int(live)
 
@@ -131,8 +132,8 @@ class Driver:
     dparams = self.drafter.params
     return self.engine.run_chunk(
         self.target.params, dparams, state, mode=mode, num_groups=groups,
-        n_steps=1, theta=self.opts.theta, strategy=self.opts.strategy,
-        refresh=False, **self.static)
+        n_steps=jnp.int32(1), theta=jnp.float32(self.opts.theta),
+        strategy=self.opts.strategy, refresh=False, **self.static, **self.traced)
 
   def stats(self) -> dict:
     out = {"group_counts": self.group_counts, "mode_per_chunk": self.modes}

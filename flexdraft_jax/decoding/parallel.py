@@ -6,13 +6,13 @@ import jax.numpy as jnp
 
 from flexdraft_jax.decoding import verify
 from flexdraft_jax.decoding.sampling import SamplingParams
-from flexdraft_jax.decoding.state import DecodeState, mask_block
+from flexdraft_jax.decoding.state import KV_BLOCK, DecodeState, mask_block
 from flexdraft_jax.model import transformer
 
 
 def parallel_step(target_params, cfg, drafter, state: DecodeState, *,
                   num_groups: int, sp: SamplingParams, max_new: int,
-                  stop_ids: tuple, theta: float, strategy: str,
+                  stop_ids: tuple, theta, strategy: str,
                   attn_impl: str = "xla") -> DecodeState:
   """Verify block `[b, d1..]` plus `num_groups` mask groups (SPEC §2).
 
@@ -26,7 +26,7 @@ def parallel_step(target_params, cfg, drafter, state: DecodeState, *,
   masks = mask_block(c + 1, c, num_groups, bs)
   h, hm, cache = transformer.forward(
       target_params, cfg, state.cache, block, pos, draft=drafter.params,
-      masks=masks, num_draft_layers=L, attn_impl=attn_impl)
+      masks=masks, num_draft_layers=L, attn_impl=attn_impl, kv_block=KV_BLOCK)
   vlen = jnp.minimum(verify.selective_vlen(state.conf_BxD, theta, strategy),
                      num_groups - 1)
   y, a = verify.verify_block(target_params, cfg, h, state, vlen, sp)

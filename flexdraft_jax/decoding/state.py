@@ -18,6 +18,11 @@ from flexdraft_jax.drafter import model as drafter_model
 from flexdraft_jax.model import transformer
 
 
+# The engine reads the cache in blocks of this many positions, up to the
+# longest live row (cache capacities are multiples of it).
+KV_BLOCK = 128
+
+
 class DecodeState(NamedTuple):
   cache: transformer.KVCache
   length_B: jax.Array      # int32, committed length c
@@ -32,18 +37,17 @@ class DecodeState(NamedTuple):
   accept_hist: jax.Array   # int32 [bs+1]: histogram of tokens committed per step
 
 
-def emit(state: DecodeState, new_BxE, n_new_B, max_new: int, stop_ids: tuple):
+def emit(state: DecodeState, new_BxE, n_new_B, max_new, stop_ids_S):
   """Appends the first `n_new` of `new_BxE` to each live row's output.
 
-  A row stops after its first stop token or at `max_new` tokens.
+  A row stops after its first stop token (`stop_ids_S`, padded with -1) or at
+  `max_new` tokens. Both are traced values: changing them does not recompile.
   Returns (out, n_out, done, n_emitted).
   """
   B, E = new_BxE.shape
   j = jnp.arange(E)[None, :]
   n_new_B = jnp.where(state.done_B, 0, n_new_B)
-  is_stop = jnp.zeros((B, E), bool)
-  for s in stop_ids:
-    is_stop |= new_BxE == s
+  is_stop = jnp.any(new_BxE[:, :, None] == stop_ids_S[None, None, :], axis=-1)
   is_stop &= j < n_new_B[:, None]
   first_stop = jnp.where(is_stop.any(1), jnp.argmax(is_stop, axis=1), E)
   n = jnp.minimum(n_new_B, first_stop + 1)
@@ -75,7 +79,7 @@ def mask_block(start_B, limit_B, num_groups: int, bs: int):
 
 
 def prefill(target_params, cfg, cache, prompt_BxP, plen_B, valid_B, key, *,
-            sp: SamplingParams, max_new: int, out_len: int, stop_ids: tuple,
+            sp: SamplingParams, max_new, out_len: int, stop_ids,
             drafter: Optional[drafter_model.Drafter] = None,
             attn_impl: str = "xla") -> DecodeState:
   """Prompts through the target (and the first mask block), first token t0."""
@@ -88,7 +92,7 @@ def prefill(target_params, cfg, cache, prompt_BxP, plen_B, valid_B, key, *,
   h, hm, cache = transformer.forward(
       target_params, cfg, cache, prompt_BxP, pos,
       draft=None if drafter is None else drafter.params, masks=masks,
-      num_draft_layers=L, attn_impl=attn_impl)
+      num_draft_layers=L, attn_impl=attn_impl, kv_block=KV_BLOCK)
   h_last = jnp.take_along_axis(h, (plen_B - 1)[:, None, None], axis=1)
   key, sub = jax.random.split(key)
   t0 = sample(transformer.logits(target_params, cfg, h_last)[:, 0], sub, sp)

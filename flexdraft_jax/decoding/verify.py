@@ -6,13 +6,13 @@ import jax
 import jax.numpy as jnp
 
 from flexdraft_jax.decoding.sampling import SamplingParams, sample
-from flexdraft_jax.decoding.state import DecodeState, _draft_from_hidden, emit, mask_block
+from flexdraft_jax.decoding.state import KV_BLOCK, DecodeState, _draft_from_hidden, emit, mask_block
 from flexdraft_jax.model import transformer
 
 STRATEGIES = ("cumulative_product", "min_confidence")
 
 
-def selective_vlen(conf_BxD, theta: float, strategy: str):
+def selective_vlen(conf_BxD, theta, strategy: str):
   """How many drafts to verify: leading slots whose confidence passes θ, in [1, D]."""
   D = conf_BxD.shape[1]
   score = jnp.cumprod(conf_BxD, axis=1) if strategy == "cumulative_product" else conf_BxD
@@ -35,8 +35,8 @@ def verify_block(target_params, cfg, h_BxbsxH, state: DecodeState, vlen_B,
   return y, a
 
 
-def commit(state: DecodeState, y_Bxbs, a_B, cache, *, max_new: int,
-           stop_ids: tuple) -> DecodeState:
+def commit(state: DecodeState, y_Bxbs, a_B, cache, *, max_new,
+           stop_ids) -> DecodeState:
   """Emits d1..da and the new bonus y_a; advances the committed length by a+1."""
   B, bs = y_Bxbs.shape
   j = jnp.arange(bs)[None]
@@ -70,5 +70,5 @@ def refresh_drafts(target_params, cfg, drafter, state: DecodeState, *,
   masks = mask_block(state.length_B, state.length_B - 1, 1, bs)
   _, hm, _ = transformer.forward(target_params, cfg, state.cache, None, None,
                                  draft=drafter.params, masks=masks,
-                                 num_draft_layers=L, attn_impl=attn_impl)
+                                 num_draft_layers=L, attn_impl=attn_impl, kv_block=KV_BLOCK)
   return set_drafts(target_params, cfg, drafter, state, hm, state)

@@ -1,7 +1,9 @@
 """The one attention primitive every layout in FlexDraft reduces to.
 
 Keys come from two places:
-  * the KV cache `k_BxSxKxD`, indexed by *position*: query row t of sequence b
+  * the KV cache `k_BxKxSxD` (kv-head major, so the score and value matmuls
+    batch over (B, K) with no transpose of the cache), indexed by *position*:
+    query row t of sequence b
     may see cache slot j iff `j <= limit_BxT[b, t]` (a limit of -1 sees none);
   * "extra" keys `xk_BxExKxD` (the transient mask-token K/V): query row t may
     see extra key e iff `q_group_T[t] >= 0 and q_group_T[t] == k_group_E[e]`.
@@ -25,7 +27,7 @@ import jax.numpy as jnp
 NEG_INF = -1e30
 
 
-def attend_xla(q_BxTxNxD, k_BxSxKxD, v_BxSxKxD, limit_BxT,
+def attend_xla(q_BxTxNxD, k_BxKxSxD, v_BxKxSxD, limit_BxT,
                xk_BxExKxD=None, xv_BxExKxD=None,
                q_group_T=None, k_group_E=None):
   """Reference attention (fp32 softmax); GQA without repeating K/V.
@@ -33,32 +35,89 @@ def attend_xla(q_BxTxNxD, k_BxSxKxD, v_BxSxKxD, limit_BxT,
   Returns `[B, T, N, D]` in q's dtype. A row that sees no key returns zeros.
   """
   B, T, N, D = q_BxTxNxD.shape
-  K = k_BxSxKxD.shape[2]
+  K, S = k_BxKxSxD.shape[1], k_BxKxSxD.shape[2]
   G = N // K
-  q = q_BxTxNxD.reshape(B, T, K, G, D).astype(jnp.float32) * (D ** -0.5)
-  s_BxKxGxTxS = jnp.einsum("BTKGD,BSKD->BKGTS", q,
-                           k_BxSxKxD.astype(jnp.float32))
-  S = k_BxSxKxD.shape[1]
-  visible_BxTxS = jnp.arange(S)[None, None, :] <= limit_BxT[:, :, None]
-  s_BxKxGxTxS = jnp.where(visible_BxTxS[:, None, None], s_BxKxGxTxS, NEG_INF)
-  scores = [s_BxKxGxTxS]
-  values = [v_BxSxKxD]
-  if xk_BxExKxD is not None and xk_BxExKxD.shape[1] > 0:
-    x_BxKxGxTxE = jnp.einsum("BTKGD,BEKD->BKGTE", q,
-                             xk_BxExKxD.astype(jnp.float32))
-    same_TxE = ((q_group_T[:, None] >= 0)
-                & (q_group_T[:, None] == k_group_E[None, :]))
-    scores.append(jnp.where(same_TxE[None, None, None], x_BxKxGxTxE, NEG_INF))
-    values.append(xv_BxExKxD)
-  s = jnp.concatenate(scores, axis=-1)
-  v = jnp.concatenate(values, axis=1).astype(jnp.float32)
+  # Rows r = (t, g): the G q heads of one kv head share its keys.
+  q_BxKxRxD = (q_BxTxNxD.reshape(B, T, K, G, D).transpose(0, 2, 1, 3, 4)
+               .reshape(B, K, T * G, D) * (D ** -0.5))
+  limit_BxR = jnp.repeat(limit_BxT, G, axis=1)
+  s_BxKxRxS = jnp.einsum("BKRD,BKSD->BKRS", q_BxKxRxD, k_BxKxSxD,
+                         preferred_element_type=jnp.float32)
+  visible_BxRxS = jnp.arange(S)[None, None, :] <= limit_BxR[:, :, None]
+  scores = [jnp.where(visible_BxRxS[:, None], s_BxKxRxS, NEG_INF)]
+  has_extra = xk_BxExKxD is not None and xk_BxExKxD.shape[1] > 0
+  if has_extra:
+    xk_BxKxExD = xk_BxExKxD.transpose(0, 2, 1, 3)
+    x_BxKxRxE = jnp.einsum("BKRD,BKED->BKRE", q_BxKxRxD, xk_BxKxExD,
+                           preferred_element_type=jnp.float32)
+    q_group_R = jnp.repeat(q_group_T, G)
+    same_RxE = (q_group_R[:, None] >= 0) & (q_group_R[:, None] == k_group_E[None, :])
+    scores.append(jnp.where(same_RxE[None, None], x_BxKxRxE, NEG_INF))
+  s = jnp.concatenate(scores, axis=-1) if has_extra else scores[0]
   m = jnp.max(s, axis=-1, keepdims=True)
-  p = jnp.exp(s - m)
-  p = jnp.where(s > NEG_INF / 2, p, 0.0)
+  p = jnp.where(s > NEG_INF / 2, jnp.exp(s - m), 0.0)
   denom = jnp.sum(p, axis=-1, keepdims=True)
   p = p / jnp.where(denom > 0, denom, 1.0)
-  o_BxKxGxTxD = jnp.einsum("BKGTS,BSKD->BKGTD", p, v)
-  o = jnp.transpose(o_BxKxGxTxD, (0, 3, 1, 2, 4)).reshape(B, T, N, D)
+  o_BxKxRxD = jnp.einsum("BKRS,BKSD->BKRD", p[..., :S].astype(v_BxKxSxD.dtype),
+                         v_BxKxSxD, preferred_element_type=jnp.float32)
+  if has_extra:
+    o_BxKxRxD += jnp.einsum("BKRE,BKED->BKRD", p[..., S:].astype(xv_BxExKxD.dtype),
+                            xv_BxExKxD.transpose(0, 2, 1, 3),
+                            preferred_element_type=jnp.float32)
+  o = o_BxKxRxD.reshape(B, K, T, G, D).transpose(0, 2, 1, 3, 4).reshape(B, T, N, D)
+  return o.astype(q_BxTxNxD.dtype)
+
+
+def attend_xla_blocked(q_BxTxNxD, k_BxKxSxD, v_BxKxSxD, limit_BxT,
+                       xk_BxExKxD=None, xv_BxExKxD=None,
+                       q_group_T=None, k_group_E=None, *, kv_block: int = 256):
+  """`attend_xla` reading only the cache blocks some row can see.
+
+  A `lax.while_loop` over key blocks up to the largest limit with an online
+  softmax, so a decode step costs the live length, not the cache capacity.
+  Forward only (not reverse-differentiable): the decoding engine's path.
+  """
+  B, T, N, D = q_BxTxNxD.shape
+  K, S = k_BxKxSxD.shape[1], k_BxKxSxD.shape[2]
+  G, R = N // K, T * N // K
+  if S % kv_block:
+    return attend_xla(q_BxTxNxD, k_BxKxSxD, v_BxKxSxD, limit_BxT,
+                      xk_BxExKxD, xv_BxExKxD, q_group_T, k_group_E)
+  q = (q_BxTxNxD.reshape(B, T, K, G, D).transpose(0, 2, 1, 3, 4)
+       .reshape(B, K, R, D) * (D ** -0.5))
+  limit_BxR = jnp.repeat(limit_BxT, G, axis=1)
+
+  def update(carry, s_BxKxRxC, v_BxKxCxD):
+    m, l, acc = carry
+    m_new = jnp.maximum(m, jnp.max(s_BxKxRxC, axis=-1))
+    p = jnp.where(s_BxKxRxC > NEG_INF / 2, jnp.exp(s_BxKxRxC - m_new[..., None]), 0.0)
+    alpha = jnp.exp(m - m_new)
+    acc = acc * alpha[..., None] + jnp.einsum(
+        "BKRC,BKCD->BKRD", p.astype(v_BxKxCxD.dtype), v_BxKxCxD,
+        preferred_element_type=jnp.float32)
+    return m_new, l * alpha + jnp.sum(p, axis=-1), acc
+
+  def body(j, carry):
+    start = j * kv_block
+    kb = jax.lax.dynamic_slice_in_dim(k_BxKxSxD, start, kv_block, axis=2)
+    vb = jax.lax.dynamic_slice_in_dim(v_BxKxSxD, start, kv_block, axis=2)
+    s = jnp.einsum("BKRD,BKCD->BKRC", q, kb, preferred_element_type=jnp.float32)
+    visible = (start + jnp.arange(kv_block))[None, None, :] <= limit_BxR[:, :, None]
+    return update(carry, jnp.where(visible[:, None], s, NEG_INF), vb)
+
+  carry = (jnp.full((B, K, R), NEG_INF, jnp.float32), jnp.zeros((B, K, R), jnp.float32),
+           jnp.zeros((B, K, R, D), jnp.float32))
+  n_blocks = jnp.clip(jnp.max(limit_BxT) // kv_block + 1, 0, S // kv_block)
+  carry = jax.lax.fori_loop(0, n_blocks, body, carry)
+  if xk_BxExKxD is not None and xk_BxExKxD.shape[1] > 0:
+    s = jnp.einsum("BKRD,BEKD->BKRE", q, xk_BxExKxD, preferred_element_type=jnp.float32)
+    q_group_R = jnp.repeat(q_group_T, G)
+    same_RxE = (q_group_R[:, None] >= 0) & (q_group_R[:, None] == k_group_E[None, :])
+    carry = update(carry, jnp.where(same_RxE[None, None], s, NEG_INF),
+                   xv_BxExKxD.transpose(0, 2, 1, 3))
+  _, l, acc = carry
+  o = acc / jnp.where(l > 0, l, 1.0)[..., None]
+  o = o.reshape(B, K, T, G, D).transpose(0, 2, 1, 3, 4).reshape(B, T, N, D)
   return o.astype(q_BxTxNxD.dtype)
 
 
@@ -70,15 +129,24 @@ def resolve_impl(impl: str) -> str:
   return impl
 
 
-def attend(q_BxTxNxD, k_BxSxKxD, v_BxSxKxD, limit_BxT,
+def attend(q_BxTxNxD, k_BxKxSxD, v_BxKxSxD, limit_BxT,
            xk_BxExKxD=None, xv_BxExKxD=None,
            q_group_T: Optional[jax.Array] = None,
-           k_group_E: Optional[jax.Array] = None, *, impl: str = "xla"):
-  """Attention under the position-limit + group layout (see module doc)."""
+           k_group_E: Optional[jax.Array] = None, *, impl: str = "xla",
+           kv_block: Optional[int] = None):
+  """Attention under the position-limit + group layout (see module doc).
+
+  `kv_block` (xla only): read the cache in blocks up to the largest limit
+  (decoding); None reads it whole (differentiable: training).
+  """
   if resolve_impl(impl) == "pallas":
     from flexdraft_jax.kernels import attention as pallas_attention
     return pallas_attention.attend_pallas(
-        q_BxTxNxD, k_BxSxKxD, v_BxSxKxD, limit_BxT,
+        q_BxTxNxD, k_BxKxSxD, v_BxKxSxD, limit_BxT,
         xk_BxExKxD, xv_BxExKxD, q_group_T, k_group_E)
-  return attend_xla(q_BxTxNxD, k_BxSxKxD, v_BxSxKxD, limit_BxT,
+  if kv_block:
+    return attend_xla_blocked(q_BxTxNxD, k_BxKxSxD, v_BxKxSxD, limit_BxT,
+                              xk_BxExKxD, xv_BxExKxD, q_group_T, k_group_E,
+                              kv_block=kv_block)
+  return attend_xla(q_BxTxNxD, k_BxKxSxD, v_BxKxSxD, limit_BxT,
                     xk_BxExKxD, xv_BxExKxD, q_group_T, k_group_E)

@@ -33,18 +33,18 @@ ATTN_KEYS = ("q", "k", "v", "o", "q_bias", "k_bias", "v_bias", "q_norm", "k_norm
 
 
 class KVCache(NamedTuple):
-  """Per-layer K/V, `[n, B, S, K, D]`; slot j holds position j of each row."""
+  """Per-layer K/V, `[n, B, K, S, D]`; slot j holds position j of each row."""
   k: jax.Array
   v: jax.Array
 
   @classmethod
   def zeros(cls, cfg: ModelConfig, batch: int, max_len: int, dtype):
-    shape = (cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+    shape = (cfg.num_layers, batch, cfg.num_kv_heads, max_len, cfg.head_dim)
     return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
 
   @property
   def max_len(self) -> int:
-    return self.k.shape[2]
+    return self.k.shape[3]
 
 
 class MaskRows(NamedTuple):
@@ -129,14 +129,16 @@ def _mlp(lp, x_BxTxH):
   return (jax.nn.silu(x_BxTxH @ lp["gate"]) * (x_BxTxH @ lp["up"])) @ lp["down"]
 
 
-def _write(cache_NxBxSxKxD, i, pos_BxT, new_BxTxKxD):
+def _write(cache_NxBxKxSxD, i, pos_BxT, new_BxTxKxD):
   """Writes layer i's rows at their positions; positions past the end drop."""
   b_BxT = jnp.broadcast_to(jnp.arange(pos_BxT.shape[0])[:, None], pos_BxT.shape)
-  return cache_NxBxSxKxD.at[i, b_BxT, pos_BxT].set(
-      new_BxTxKxD.astype(cache_NxBxSxKxD.dtype), mode="drop")
+  # Advanced indices (i, b, ·, pos) are split by a slice, so the update is
+  # laid out [B, T, K, D] — exactly new_BxTxKxD.
+  return cache_NxBxKxSxD.at[i, b_BxT, :, pos_BxT].set(
+      new_BxTxKxD.astype(cache_NxBxKxSxD.dtype), mode="drop")
 
 
-def _layer_step(cfg, impl, lp, dp, h_BxTxH, hm_BxMxH, ck, cv, i, pos_BxT, masks):
+def _layer_step(cfg, impl, kv_block, lp, dp, h_BxTxH, hm_BxMxH, ck, cv, i, pos_BxT, masks):
   """One decoder layer on clean rows (may be empty) and mask rows (may be None)."""
   eps = cfg.rms_norm_eps
   T = h_BxTxH.shape[1]
@@ -159,7 +161,8 @@ def _layer_step(cfg, impl, lp, dp, h_BxTxH, hm_BxMxH, ck, cv, i, pos_BxT, masks)
   q_group = jnp.concatenate(groups)
   o = attention.attend(
       jnp.concatenate(qs, axis=1), ck[i], cv[i], jnp.concatenate(limits, axis=1),
-      xk, xv, q_group, None if hm_BxMxH is None else masks.group_M, impl=impl)
+      xk, xv, q_group, None if hm_BxMxH is None else masks.group_M, impl=impl,
+      kv_block=kv_block)
   o = o.reshape(o.shape[0], o.shape[1], -1)
   outs = []
   if T:
@@ -180,7 +183,8 @@ def _layer_step(cfg, impl, lp, dp, h_BxTxH, hm_BxMxH, ck, cv, i, pos_BxT, masks)
 def forward(params, cfg: ModelConfig, cache: KVCache,
             tokens_BxT: Optional[jax.Array], pos_BxT: Optional[jax.Array], *,
             draft=None, masks: Optional[MaskRows] = None,
-            num_draft_layers: int = 0, attn_impl: str = "xla"):
+            num_draft_layers: int = 0, attn_impl: str = "xla",
+            kv_block: Optional[int] = None):
   """Runs clean tokens (all layers) and mask rows (deep layers) in one pass.
 
   Args:
@@ -188,6 +192,8 @@ def forward(params, cfg: ModelConfig, cache: KVCache,
       deep-layers-only pass of mask rows (sequential drafting, training).
     draft/masks/num_draft_layers: the draft pytree, the mask rows and L; mask
       rows enter at layer `n - L` as the learned `mask` vector.
+    kv_block: read the cache in blocks up to the largest visible position
+      (decoding; not differentiable); None reads it whole (training).
   Returns:
     (h_clean [B, T, H] or None, h_mask [B, M, H] or None, cache) — hidden
     states before the final norm; the cache holds the clean K/V written.
@@ -205,7 +211,7 @@ def forward(params, cfg: ModelConfig, cache: KVCache,
 
   def shallow(carry, i):
     h, ck, cv = carry
-    h, _, ck, cv = _layer_step(cfg, attn_impl, _layer(layers, i), None, h, None,
+    h, _, ck, cv = _layer_step(cfg, attn_impl, kv_block, _layer(layers, i), None, h, None,
                                ck, cv, i, pos_BxT, None)
     return (h, ck, cv), None
 
@@ -219,7 +225,7 @@ def forward(params, cfg: ModelConfig, cache: KVCache,
 
   def deep(carry, i):
     h, hm, ck, cv = carry
-    h, hm, ck, cv = _layer_step(cfg, attn_impl, _layer(layers, i),
+    h, hm, ck, cv = _layer_step(cfg, attn_impl, kv_block, _layer(layers, i),
                                 _layer(draft["layers"], i - s), h, hm,
                                 ck, cv, i, pos_BxT, masks)
     return (h, hm, ck, cv), None

@@ -1,0 +1,50 @@
+"""The public surface: load a target (and drafter), get logits, generate."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from flexdraft_jax.decoding.engine import GenerateResult, generate  # noqa: F401
+from flexdraft_jax.model import transformer
+from flexdraft_jax.model.config import FlexDraftError
+
+
+def load_target(spec: str, dtype: str = "float32"):
+  """A Target(config, params, tokenizer, name, fingerprint) from an HF
+  safetensors directory, a `.gguf` file, a builtin name (`smollm2-135m`) or,
+  for tests, `random:NAME`."""
+  if isinstance(spec, str) and spec.startswith("random:"):
+    from flexdraft_jax.training import targets
+    return targets.load(spec, dtype)
+  from flexdraft_jax.model import loading
+  return loading.load_target(spec, dtype)
+
+
+def load_drafter(path: str, target):
+  """A Drafter saved by training, checked against `target` (one-line refusal)."""
+  from flexdraft_jax.drafter import checkpoint
+  return checkpoint.load_drafter(path, target)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def _logits(params, ids_BxT, *, cfg):
+  B, T = ids_BxT.shape
+  cache = transformer.KVCache.zeros(cfg, B, T, params["embed"].dtype)
+  pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+  h, _, _ = transformer.forward(params, cfg, cache, ids_BxT, pos)
+  return transformer.logits(params, cfg, h)
+
+
+def target_logits(target, token_ids) -> jax.Array:
+  """Full-sequence fp32 logits `[B, T, V]` for int ids `[B, T]` (no cache reuse)."""
+  ids = np.asarray(token_ids)
+  if ids.ndim != 2 or not np.issubdtype(ids.dtype, np.integer):
+    raise FlexDraftError(f"token_ids must be an int array [B, T], got shape "
+                         f"{ids.shape} of {ids.dtype}")
+  if ids.size and (ids.min() < 0 or ids.max() >= target.config.vocab_size):
+    raise FlexDraftError(f"token ids must be in [0, {target.config.vocab_size})")
+  return _logits(target.params, jnp.asarray(ids, jnp.int32), cfg=target.config)

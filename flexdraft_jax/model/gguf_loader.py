@@ -1,0 +1,137 @@
+"""Loading a llama.cpp GGUF file (llama / qwen2 / qwen3), dequantized to float.
+
+llama.cpp's converter permutes the q/k rows of "llama" models so that its RoPE
+can rotate adjacent pairs; transformer.py's RoPE is HF's rotate-half, so those
+rows are permuted back. qwen2/qwen3 files use NeoX RoPE and are not permuted.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from flexdraft_jax.model import weights
+from flexdraft_jax.model.config import FlexDraftError, ModelConfig, rope_scaling_tuple
+from flexdraft_jax.model.tokenizer import Tokenizer
+
+ARCHITECTURES = ("llama", "qwen2", "qwen3")
+
+_GLOBAL_NAMES = {"embed": "token_embd.weight", "final_norm": "output_norm.weight",
+                 "lm_head": "output.weight"}
+_LAYER_NAMES = {
+    "input_norm": "attn_norm.weight", "post_norm": "ffn_norm.weight",
+    "q": "attn_q.weight", "k": "attn_k.weight", "v": "attn_v.weight",
+    "o": "attn_output.weight", "q_bias": "attn_q.bias", "k_bias": "attn_k.bias",
+    "v_bias": "attn_v.bias", "q_norm": "attn_q_norm.weight", "k_norm": "attn_k_norm.weight",
+    "gate": "ffn_gate.weight", "up": "ffn_up.weight", "down": "ffn_down.weight"}
+_MATRICES = ("q", "k", "v", "o", "gate", "up", "down", "lm_head")
+
+
+def _open(path: str):
+  import gguf  # imported lazily: only GGUF targets need it
+  try:
+    return gguf.GGUFReader(path)
+  except Exception as e:  # truncation surfaces as ValueError/IndexError/...
+    raise FlexDraftError(f"corrupt or truncated GGUF file {path}: {e}") from e
+
+
+def _metadata(reader) -> dict:
+  """Every metadata field as a python value."""
+  return {name: field.contents() for name, field in reader.fields.items()}
+
+
+def _rope_scaling(meta: dict, arch: str, tensor_names: set, path: str):
+  if "rope_freqs.weight" in tensor_names:
+    raise FlexDraftError(
+        f"unsupported rope scaling in {path}: per-frequency factors (rope_freqs, llama3 "
+        "scaling) in GGUF; load the HF safetensors checkpoint instead")
+  kind = meta.get(f"{arch}.rope.scaling.type", "none")
+  if kind == "none":
+    return None
+  scaling = {"rope_type": kind, "factor": meta.get(f"{arch}.rope.scaling.factor", 1.0)}
+  return rope_scaling_tuple(scaling)
+
+
+def read_config(meta: dict, tensor_names: set, path: str) -> ModelConfig:
+  """ModelConfig from GGUF metadata (`{arch}.*` keys and the tokenizer's special ids)."""
+  arch = meta.get("general.architecture")
+  if arch not in ARCHITECTURES:
+    raise FlexDraftError(f"unsupported architecture {arch!r} in {path} "
+                         f"(supported GGUF architectures: {', '.join(ARCHITECTURES)})")
+  g = lambda key, default=None: meta.get(f"{arch}.{key}", default)
+  H, heads = int(g("embedding_length")), int(g("attention.head_count"))
+  vocab = g("vocab_size") or len(meta.get("tokenizer.ggml.tokens", ()))
+  eos = [meta.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
+  return ModelConfig(
+      vocab_size=int(vocab), hidden_size=H, intermediate_size=int(g("feed_forward_length")),
+      num_layers=int(g("block_count")), num_heads=heads,
+      num_kv_heads=int(g("attention.head_count_kv", heads)),
+      head_dim=int(g("attention.key_length", H // heads)),
+      rope_theta=float(g("rope.freq_base", 10000.0)),
+      rope_scaling=_rope_scaling(meta, arch, tensor_names, path),
+      rms_norm_eps=float(g("attention.layer_norm_rms_epsilon", 1e-6)),
+      qk_norm=arch == "qwen3", attention_bias=arch == "qwen2",
+      tie_embeddings=_GLOBAL_NAMES["lm_head"] not in tensor_names,
+      max_position_embeddings=int(g("context_length", 8192)),
+      bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+      eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos if e is not None)),
+      pad_token_id=int(meta.get("tokenizer.ggml.padding_token_id") or 0), model_type=arch)
+
+
+def unpermute_rows(w_OxI: np.ndarray, n_heads: int) -> np.ndarray:
+  """Inverse of llama.cpp's q/k row permutation (interleaved pairs -> two halves per head).
+
+  Works on weights `[out, in]` and biases `[out]`.
+  """
+  out = w_OxI.shape[0]
+  rest = w_OxI.shape[1:]
+  half = out // n_heads // 2
+  w = w_OxI.reshape(n_heads, half, 2, *rest)
+  return np.swapaxes(w, 1, 2).reshape(w_OxI.shape)
+
+
+class _GGUFTensors:
+  """Name -> dequantized float32 host array `[out, in]` (numpy row-major order)."""
+
+  def __init__(self, reader, path: str):
+    self.path = path
+    self.tensors = {t.name: t for t in reader.tensors}
+
+  def get(self, name: str) -> np.ndarray:
+    import gguf
+    if name not in self.tensors:
+      raise FlexDraftError(f"missing tensor {name} in {self.path}")
+    t = self.tensors[name]
+    try:
+      x = gguf.dequantize(t.data, t.tensor_type)
+    except Exception as e:
+      raise FlexDraftError(f"cannot dequantize {name} ({t.tensor_type.name}) in "
+                           f"{self.path}: {e}") from e
+    return np.asarray(x, dtype=np.float32)
+
+
+def load_gguf(path: str, dtype) -> tuple:
+  """(ModelConfig, params, Tokenizer) of a GGUF file."""
+  reader = _open(path)
+  meta = _metadata(reader)
+  store = _GGUFTensors(reader, path)
+  try:
+    cfg = read_config(meta, set(store.tensors), path)
+  except FlexDraftError:
+    raise
+  except (TypeError, ValueError) as e:  # a required `{arch}.*` key is absent
+    raise FlexDraftError(f"incomplete GGUF metadata in {path}: {e}") from e
+  permuted = cfg.model_type == "llama"
+  heads = {"q": cfg.num_heads, "q_bias": cfg.num_heads,
+           "k": cfg.num_kv_heads, "k_bias": cfg.num_kv_heads}
+
+  def fetch(key: str, name: str) -> np.ndarray:
+    x = store.get(name)
+    if permuted and key in heads:
+      x = unpermute_rows(x, heads[key])
+    return x.T if key in _MATRICES else x
+
+  params = weights.stack_params(
+      cfg, lambda k: fetch(k, _GLOBAL_NAMES[k]),
+      lambda k, i: fetch(k, f"blk.{i}.{_LAYER_NAMES[k]}"), dtype)
+  tokenizer = Tokenizer.from_gguf_fields(meta)
+  return cfg, params, tokenizer

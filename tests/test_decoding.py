@@ -1,0 +1,135 @@
+"""Lossless decoding: every mode equals AR at T=0; the engine's mechanics."""
+
+import numpy as np
+import pytest
+
+import flexdraft_jax as fd
+from flexdraft_jax.decoding import engine
+from tests.decoding_util import random_drafter, tiny_target, top2_gap
+
+MODES = [("parallel", 0.0), ("parallel", 0.3), ("sequential", 0.0), ("flex", 0.3)]
+
+
+def assert_lossless(target, prompts, ref, out):
+  """Token-identical, except past a point where the target's top-2 logits tie."""
+  for p, r, o in zip(prompts, ref, out):
+    if r == o:
+      continue
+    i = next((k for k, (a, b) in enumerate(zip(r, o)) if a != b), min(len(r), len(o)))
+    gap = top2_gap(target, list(p) + r[:i])
+    assert gap < 1e-5, f"diverged at {i} with top-2 gap {gap}: {r} vs {o}"
+
+
+@pytest.fixture(scope="module")
+def target():
+  return tiny_target()
+
+
+def prompts_for(batch, seed=0):
+  r = np.random.RandomState(seed)
+  return [r.randint(2, 64, size=r.randint(1, 12)).tolist() for _ in range(batch)]
+
+
+@pytest.mark.parametrize("batch, block_size", [(1, 4), (3, 16), (8, 4)])
+def test_every_mode_equals_ar(target, batch, block_size):
+  prompts = prompts_for(batch, seed=batch)
+  drafter = random_drafter(target, block_size=block_size, noise=0.5)
+  ref = fd.generate(target, prompts, max_new_tokens=37)
+  assert ref.stats["tau"] == 1.0
+  for mode, theta in MODES:
+    out = fd.generate(target, prompts, max_new_tokens=37, drafter=drafter,
+                      mode=mode, threshold=theta, flex_threshold=2)
+    assert_lossless(target, prompts, ref.token_ids, out.token_ids)
+    assert out.stats["new_tokens"] == ref.stats["new_tokens"]
+
+
+def test_stop_inside_block_and_rows_finishing_apart(target):
+  prompts = prompts_for(5, seed=7)
+  long = fd.generate(target, prompts, max_new_tokens=40, stop=[])
+  stop = long.token_ids[0][9]  # a token the first row emits mid-way
+  ref = fd.generate(target, prompts, max_new_tokens=40, stop=[stop])
+  lengths = {len(t) for t in ref.token_ids}
+  assert len(lengths) > 1, "rows should finish at different steps"
+  assert ref.token_ids[0][-1] == stop and len(ref.token_ids[0]) <= 10
+  drafter = random_drafter(target, block_size=8, noise=0.5)
+  for mode, theta in MODES:
+    out = fd.generate(target, prompts, max_new_tokens=40, stop=[stop],
+                      drafter=drafter, mode=mode, threshold=theta)
+    assert_lossless(target, prompts, ref.token_ids, out.token_ids)
+
+
+def test_ragged_batch_equals_each_prompt_alone(target):
+  prompts = prompts_for(4, seed=3)
+  batch = fd.generate(target, prompts, max_new_tokens=20)
+  for p, t in zip(prompts, batch.token_ids):
+    assert fd.generate(target, [p], max_new_tokens=20).token_ids[0] == t
+
+
+def test_cache_decoding_equals_full_forward(target):
+  prompt = prompts_for(1, seed=11)[0]
+  out = fd.generate(target, [prompt], max_new_tokens=12, stop=[]).token_ids[0]
+  logits = np.asarray(fd.target_logits(target, np.asarray([prompt + out])))
+  greedy = logits[0, len(prompt) - 1:-1].argmax(-1).tolist()
+  assert greedy == out
+
+
+def test_sampling_is_reproducible_with_a_seed(target):
+  prompts = prompts_for(3, seed=5)
+  a = fd.generate(target, prompts, max_new_tokens=15, temperature=1.0, seed=3)
+  b = fd.generate(target, prompts, max_new_tokens=15, temperature=1.0, seed=3)
+  c = fd.generate(target, prompts, max_new_tokens=15, temperature=1.0, seed=4)
+  assert a.token_ids == b.token_ids
+  assert a.token_ids != c.token_ids
+
+
+def test_no_recompilation_after_warmup(target):
+  drafter = random_drafter(target, block_size=4, noise=0.5)
+  prompts = prompts_for(2, seed=1)
+  kw = dict(max_new_tokens=200, drafter=drafter, stop=[])
+  before = engine.run_chunk._cache_size()
+  for mode, theta in MODES:
+    fd.generate(target, prompts, mode=mode, threshold=theta, **kw)
+  warm = engine.run_chunk._cache_size()
+  for mode, theta in MODES:  # other θ, stop tokens, lengths: traced, not static
+    fd.generate(target, prompts, mode=mode, threshold=theta / 2, **dict(kw, stop=[5],
+                max_new_tokens=150))
+  assert engine.run_chunk._cache_size() == warm
+  # one compiled chunk per (mode, group bucket[, draft refresh]), not per token
+  buckets = len(engine.group_buckets(4, engine.SpecOptions()))
+  assert warm - before <= 2 * (2 + buckets)
+
+
+def test_group_buckets():
+  assert engine.group_buckets(16, engine.SpecOptions()) == (2, 3, 5, 9, 16)
+  assert engine.group_buckets(4, engine.SpecOptions()) == (2, 3, 4)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(mode="parallel", threshold=1.5), "θ must be in [0, 1]"),
+    (dict(mode="parallel", threshold=-0.1), "θ must be in [0, 1]"),
+    (dict(mode="parallel", strategy="nope"), "strategy must be one of"),
+    (dict(mode="beam"), "mode must be one of"),
+    (dict(mode="flex", flex_threshold="often"), "flex threshold"),
+    (dict(max_len=4), "longer than the cache"),
+    (dict(mode="parallel", block_size=32), "block size 32"),
+])
+def test_bad_input_messages(target, kwargs, message):
+  drafter = random_drafter(target, block_size=8)
+  with pytest.raises(fd.FlexDraftError, match=message.replace("[", r"\[").replace("]", r"\]")):
+    fd.generate(target, [[3, 4, 5, 6, 7, 8]], max_new_tokens=4, drafter=drafter, **kwargs)
+
+
+def test_drafter_for_another_target_is_refused(target):
+  other = tiny_target(seed=9)
+  drafter = random_drafter(other)
+  with pytest.raises(fd.FlexDraftError, match="trained for another target"):
+    fd.generate(target, [[3, 4]], max_new_tokens=4, drafter=drafter, mode="parallel")
+  wide = tiny_target(vocab=80)
+  with pytest.raises(fd.FlexDraftError, match="vocabulary"):
+    fd.generate(target, [[3, 4]], max_new_tokens=4, mode="parallel",
+                drafter=random_drafter(wide)._replace(target_fingerprint=""))
+
+
+def test_prompt_longer_than_context_is_refused(target):
+  with pytest.raises(fd.FlexDraftError, match="exceeds the model's context"):
+    fd.generate(target, [[3] * 1000], max_new_tokens=100)
