@@ -4,6 +4,8 @@ Shapes: the parallel-mode decode step of SPEC §2 — a verify block of
 `--block` clean rows plus G mask groups of `--block` rows each (G in
 `--groups`; G = 0 is plain verification), against a KV cache of `--cache`
 slots of which the first `--commit` are committed (row limits ~ commit).
+The cache is kv-head major, `[B, K, S, D]` (attend_xla's layout), and goes
+to the kernel as is.
 One layer's attention call for each model's head layout:
   smollm2_135m: 9 q heads, 3 kv heads, head_dim 64;
   qwen3_8b:     32 q heads, 8 kv heads, head_dim 128.
@@ -77,8 +79,8 @@ def decode_inputs(key, B, N, K, D, S, c, bs, G, dtype):
   T, E = bs + G * bs, G * bs
   ks = jax.random.split(key, 5)
   q = jax.random.normal(ks[0], (B, T, N, D), dtype)
-  k = jax.random.normal(ks[1], (B, S, K, D), dtype)
-  v = jax.random.normal(ks[2], (B, S, K, D), dtype)
+  k = jax.random.normal(ks[1], (B, K, S, D), dtype)   # kv-head major
+  v = jax.random.normal(ks[2], (B, K, S, D), dtype)
   lim_T = np.concatenate([c + np.arange(bs), c + np.repeat(np.arange(G), bs)])
   lim = jnp.broadcast_to(jnp.asarray(lim_T, jnp.int32), (B, T))
   if not G:
@@ -114,8 +116,8 @@ def grad_check(kernel_kw):
   ks = jax.random.split(key, 6)
   T = n_anchor * bs
   q = jax.random.normal(ks[0], (B, T, N, D), jnp.float32)
-  k = jax.random.normal(ks[1], (B, S, K, D), jnp.float32)
-  v = jax.random.normal(ks[2], (B, S, K, D), jnp.float32)
+  k = jax.random.normal(ks[1], (B, K, S, D), jnp.float32)
+  v = jax.random.normal(ks[2], (B, K, S, D), jnp.float32)
   xk = jax.random.normal(ks[3], (B, T, K, D), jnp.float32)
   xv = jax.random.normal(ks[4], (B, T, K, D), jnp.float32)
   ct = jax.random.normal(ks[5], (B, T, N, D), jnp.float32)

@@ -28,8 +28,9 @@ def _normal(*shape):
 
 
 def _inputs(B, T, N, K, D, S, E, lim, qg=None, kg=None):
-  x = {"q": _normal(B, T, N, D), "k": _normal(B, S, K, D),
-       "v": _normal(B, S, K, D), "lim": jnp.asarray(lim, jnp.int32),
+  # The cache is kv-head major, [B, K, S, D] (as attend_xla takes it).
+  x = {"q": _normal(B, T, N, D), "k": _normal(B, K, S, D),
+       "v": _normal(B, K, S, D), "lim": jnp.asarray(lim, jnp.int32),
        "xk": None, "xv": None, "qg": None, "kg": None}
   if E:
     x.update(xk=_normal(B, E, K, D), xv=_normal(B, E, K, D),
@@ -49,6 +50,7 @@ def _out_and_grads(fn, wrt):
 
 def _close(got, want, rtol):
   got, want = np.asarray(got), np.asarray(want)
+  assert got.shape == want.shape, (got.shape, want.shape)
   assert np.all(np.isfinite(got))
   err = np.max(np.abs(got - want)) if got.size else 0.0
   assert err <= rtol * max(1.0, np.max(np.abs(want))), err
@@ -114,7 +116,7 @@ def test_decode_layout_skips_cache_past_limits():
   first_unread = ((max(13 + 3, 5 + 3) + bk) // bk) * bk   # 24
   poisoned = dict(inp)
   for n in ("k", "v"):
-    poisoned[n] = inp[n].at[:, first_unread:].set(jnp.nan)
+    poisoned[n] = inp[n].at[:, :, first_unread:].set(jnp.nan)
   _check(inp, kernel_inp=poisoned, block_q=16, block_k=bk, block_e=8)
 
 
@@ -150,9 +152,36 @@ def test_tpu_kernels_in_tpu_interpret_mode():
   bk = 8
   poisoned = dict(inp)
   for n in ("k", "v"):
-    poisoned[n] = inp[n].at[:, 24:].set(jnp.nan)
+    poisoned[n] = inp[n].at[:, :, 24:].set(jnp.nan)
   _check(inp, kernel_inp=poisoned, backend="tpu", block_q=16, block_k=bk,
          block_e=8)
+
+
+def test_cache_reaches_kernels_untouched():
+  """The [B, K, S, D] cache is read in place: with S a multiple of block_k,
+  k and v are consumed only by the kernels (no transpose, pad or copy), and
+  their gradients are the dK/dV kernel's outputs as they come."""
+  B, T, N, K, D, S, E = 1, 8, 4, 2, 16, 32, 4
+  sd = jax.ShapeDtypeStruct
+  args = (sd((B, T, N, D), jnp.float32), sd((B, K, S, D), jnp.float32),
+          sd((B, K, S, D), jnp.float32), sd((B, T), jnp.int32),
+          sd((B, E, K, D), jnp.float32), sd((B, E, K, D), jnp.float32),
+          sd((T,), jnp.int32), sd((E,), jnp.int32))
+
+  def loss(*a):
+    return jnp.sum(attend_pallas(*a, interpret=True, block_q=8, block_k=8,
+                                 block_e=8))
+
+  jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(*args).jaxpr
+  cache = {id(x) for x in jaxpr.invars[1:3]}
+  users = [e.primitive.name for e in jaxpr.eqns
+           if any(id(x) in cache for x in e.invars)]
+  assert users and set(users) == {"pallas_call"}, users
+  dkdv = {id(x) for x in jaxpr.outvars[1:3]}
+  makers = [e for e in jaxpr.eqns if any(id(x) in dkdv for x in e.outvars)]
+  assert [e.primitive.name for e in makers] == ["pallas_call"]
+  assert makers[0].params["name"] == "flexdraft_attn_dcache"
+  assert all(x.aval.shape == (B, K, S, D) for x in jaxpr.outvars[1:3])
 
 
 def test_attend_dispatch():
@@ -183,7 +212,7 @@ def _lower(be, wrt, frozen_cache=False):
   B, T, N, K, D, S, E = 2, 16 + 4 * 16, 9, 3, 64, 2048, 4 * 16
   sd = jax.ShapeDtypeStruct
   dt = jnp.bfloat16
-  args = (sd((B, T, N, D), dt), sd((B, S, K, D), dt), sd((B, S, K, D), dt),
+  args = (sd((B, T, N, D), dt), sd((B, K, S, D), dt), sd((B, K, S, D), dt),
           sd((B, E, K, D), dt), sd((B, E, K, D), dt), sd((B, T), jnp.int32),
           sd((T,), jnp.int32), sd((E,), jnp.int32))
 

@@ -7,6 +7,12 @@ statistics lane-dense `(1, bq)` — so no transposed-lhs matmul is needed.
 The G q heads of the kv head are rows, so their contributions are summed
 into the one kv head for free (GQA).
 
+The key blocks arrive through BlockSpecs on both backends: the cache is kv-head
+major (`[B, K, Sp, D]`), so cache block j of (batch, kv head) is a contiguous
+`[bk, D]` tile (on TPU, the BlockSpec pipeline prefetches the next program's
+block while this one computes), and dK/dV of the cache are written back in
+that same layout.
+
 The q-side operands of one (batch, kv head) are whole blocks (`[nQ, bq, D]`)
 indexed by the loop: fine for the training layout (rows = anchors * bs * G);
 on TPU they live in VMEM, so very long row counts need a smaller problem per
@@ -59,28 +65,16 @@ def _kernel_gpu(cfg: C.Cfg, mode, k_ref, v_ref, *refs):
 
 
 def _kernel_tpu(cfg: C.Cfg, mode, lo_ref, hi_ref, k_ref, v_ref, *refs):
-  from jax.experimental.pallas import tpu as pltpu
   if mode == "extra":
     kg_ref, refs = refs[0], refs[1:]
-  rows, (dk_ref, dv_ref), scratch = refs[:5], refs[5:7], refs[7:]
-  b, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  rows, (dk_ref, dv_ref) = refs[:5], refs[5:7]
+  b, j = pl.program_id(0), pl.program_id(2)
   if mode == "cache":
-    # The cache block of kv head h is strided in HBM ([B, S, K, D]): fetch
-    # it with two DMAs instead of a BlockSpec over the head axis.
-    kbuf, vbuf, sem = scratch
-    rows_j = pl.ds(pl.multiple_of(j * cfg.bk, cfg.bk), cfg.bk)
-    copies = (pltpu.make_async_copy(k_ref.at[b, rows_j, h], kbuf, sem.at[0]),
-              pltpu.make_async_copy(v_ref.at[b, rows_j, h], vbuf, sem.at[1]))
-    for c in copies:
-      c.start()
-    for c in copies:
-      c.wait()
-    k, v, kg = kbuf[...], vbuf[...], None
-    t = b * cfg.n_k + j
+    kg, t = None, b * cfg.n_k + j      # the tables come flattened (SMEM)
   else:
-    k, v, kg = k_ref[...], v_ref[...], kg_ref[...]
-    t = j
-  dk, dv = _col_body(cfg, mode, j, k, v, kg, rows, lo_ref[t], hi_ref[t])
+    kg, t = kg_ref[...], j
+  dk, dv = _col_body(cfg, mode, j, k_ref[...], v_ref[...], kg, rows,
+                     lo_ref[t], hi_ref[t])
   dk_ref[...] = dk
   dv_ref[...] = dv
 
@@ -89,12 +83,13 @@ def col_call(cfg: C.Cfg, mode, k, v, kg, rows, tables):
   """dK, dV for the cache ("cache") or the extra keys ("extra").
 
   Args (kernel layout):
-    k, v: cache `[B, Sp, K, D]` or extra `[B, K, nE, be, D]`;
+    k, v: cache `[B, K, Sp, D]` or extra `[B, K, nE, be, D]`;
     kg: extra key groups as columns `[nE, be, 1]` (extra mode) or None;
     rows: (q5, do5 `[B, K, nQ, bq, D]`, lseT, deltaT `[B, K, nQ, 1, bq]`,
       visT: limits `[B, nQ, 1, bq]` (cache) or row groups `[nQ, 1, bq]`);
     tables: (q_lo, q_hi) `[B, nK]` (cache) or `[nE]` (extra).
-  Returns: (dk, dv) fp32 `[B, K, n_blocks, block, D]`.
+  Returns: (dk, dv) fp32, in the layout of k, v: `[B, K, Sp, D]` (cache)
+    or `[B, K, nE, be, D]` (extra).
   """
   q5, do5, lse_t, delta_t, vis_t = rows
   B, K, nQ, bq, D = q5.shape
@@ -109,35 +104,28 @@ def col_call(cfg: C.Cfg, mode, k, v, kg, rows, tables):
     vis_spec = pl.BlockSpec((nQ, 1, bq), lambda b, h, j, *_: (0, 0, 0))
   row_specs = [whole((nQ, bq, D)), whole((nQ, bq, D)), whole((nQ, 1, bq)),
                whole((nQ, 1, bq)), vis_spec]
-  if mode == "cache" and tpu:
-    kv_specs = [pl.BlockSpec(memory_space=pl.ANY)] * 2
-  elif mode == "cache":
-    kv_specs = [pl.BlockSpec((None, blk, None, D),
-                             lambda b, h, j, *_: (b, j, h, 0))] * 2
+  if mode == "cache":   # block j of the contiguous [Sp, D] slab of (b, h)
+    kv_spec = pl.BlockSpec((None, None, blk, D),
+                           lambda b, h, j, *_: (b, h, j, 0))
   else:
-    kv_specs = [pl.BlockSpec((None, None, None, blk, D),
-                             lambda b, h, j, *_: (b, h, j, 0, 0))] * 2
-  in_specs = list(kv_specs)
+    kv_spec = pl.BlockSpec((None, None, None, blk, D),
+                           lambda b, h, j, *_: (b, h, j, 0, 0))
+  in_specs = [kv_spec, kv_spec]
   args = [k, v]
   if mode == "extra":
     in_specs.append(pl.BlockSpec((None, blk, 1), lambda b, h, j, *_: (j, 0, 0)))
     args.append(kg)
   in_specs += row_specs
   args += list(rows)
-  out_spec = pl.BlockSpec((None, None, None, blk, D),
-                          lambda b, h, j, *_: (b, h, j, 0, 0))
-  out_shape = (jax.ShapeDtypeStruct((B, K, nb, blk, D), jnp.float32),) * 2
+  out_spec = kv_spec     # dK, dV: the layout of k, v
+  out_shape = (jax.ShapeDtypeStruct(k.shape, jnp.float32),) * 2
   q_lo, q_hi = tables
 
   if tpu:
     from jax.experimental.pallas import tpu as pltpu
-    scratch = []
-    if mode == "cache":
-      scratch = [pltpu.VMEM((blk, D), k.dtype), pltpu.VMEM((blk, D), v.dtype),
-                 pltpu.SemaphoreType.DMA((2,))]
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=2, grid=grid, in_specs=in_specs,
-        out_specs=(out_spec, out_spec), scratch_shapes=scratch)
+        out_specs=(out_spec, out_spec))
     call = pl.pallas_call(
         functools.partial(_kernel_tpu, cfg, mode), grid_spec=grid_spec,
         out_shape=out_shape,

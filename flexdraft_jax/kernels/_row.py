@@ -7,12 +7,15 @@ The program walks the cache key blocks `0 .. n_blocks[b, qblock]` (blocks
 entirely past every row's limit are never read) and then the extra key
 blocks `e_lo[qblock] .. e_hi[qblock]` (the only ones any row's group meets).
 
-Backends differ only in how a cache block reaches the kernel:
-  gpu (Triton): the kernel gets the (b, kv-head) slice of the cache as a
-    pointer and loads `[j*bk, (j+1)*bk)` itself (data-dependent trip count);
-  tpu (Mosaic): the cache stays in HBM (`pl.ANY`) and is streamed into a
-    double-buffered VMEM scratch with async DMAs, block j+1 in flight while
-    block j is used; the trip counts come in SMEM via scalar prefetch.
+Backends differ only in how a cache block reaches the kernel. The cache is
+kv-head major (`[B, K, Sp, D]`), so the (b, kv-head) cache is one contiguous
+`[Sp, D]` slab and block j is its contiguous rows `[j*bk, (j+1)*bk)`:
+  gpu (Triton): the kernel gets the slab as a pointer and loads block j
+    itself (data-dependent trip count);
+  tpu (Mosaic): the cache stays in HBM (`pl.ANY`) and block j is streamed
+    into a double-buffered VMEM scratch with one contiguous async DMA per
+    K/V, block j+1 in flight while block j is used; the trip counts come in
+    SMEM via scalar prefetch.
 """
 
 from __future__ import annotations
@@ -104,9 +107,9 @@ def _kernel_tpu(cfg: C.Cfg, mode, *refs):
 
   def dmas(j, slot):
     rows = pl.ds(pl.multiple_of(j * cfg.bk, cfg.bk), cfg.bk)
-    return (pltpu.make_async_copy(k_hbm.at[b, rows, h], kbuf.at[slot],
+    return (pltpu.make_async_copy(k_hbm.at[b, h, rows], kbuf.at[slot],
                                   sem.at[0, slot]),
-            pltpu.make_async_copy(v_hbm.at[b, rows, h], vbuf.at[slot],
+            pltpu.make_async_copy(v_hbm.at[b, h, rows], vbuf.at[slot],
                                   sem.at[1, slot]))
 
   @pl.when(n_cache > 0)
@@ -141,7 +144,7 @@ def row_call(cfg: C.Cfg, q, lim, qg, k, v, xk, xv, kg, tables,
   """Runs the row kernel.
 
   Args (kernel layout, padded): q `[B, K, Rp, D]`; lim `[B, Rp, 1]`;
-    qg `[Rp, 1]`; k, v `[B, Sp, K, D]`; xk, xv `[B, K, nE, be, D]` and
+    qg `[Rp, 1]`; k, v `[B, K, Sp, D]`; xk, xv `[B, K, nE, be, D]` and
     kg `[nE, 1, be]` (or None); tables = (nblk `[B, nQ]`, elo `[nQ]`,
     ehi `[nQ]`); stats = (do `[B,K,Rp,D]`, lse, delta `[B,K,Rp,1]`) for dq.
   Returns: fwd -> (out `[B, K, Rp, D]` out_dtype, lse `[B, K, Rp, 1]` f32);
@@ -149,7 +152,7 @@ def row_call(cfg: C.Cfg, q, lim, qg, k, v, xk, xv, kg, tables,
   """
   mode = "dq" if stats else "fwd"
   B, K, Rp, D = q.shape
-  Sp = k.shape[1]
+  Sp = k.shape[2]
   bq, be, nE = cfg.bq, cfg.be, cfg.n_e
   grid = (B, K, cfg.n_q)
   nblk, elo, ehi = tables
@@ -163,8 +166,8 @@ def row_call(cfg: C.Cfg, q, lim, qg, k, v, xk, xv, kg, tables,
   if tpu:
     in_specs += [pl.BlockSpec(memory_space=pl.ANY)] * 2
   else:
-    in_specs += [pl.BlockSpec((None, Sp, None, D),
-                              lambda b, h, i, *_: (b, 0, h, 0))] * 2
+    in_specs += [pl.BlockSpec((None, None, Sp, D),
+                              lambda b, h, i, *_: (b, h, 0, 0))] * 2
   args = [q, lim, qg, k, v]
   if cfg.has_extra:
     x_spec = pl.BlockSpec((None, None, nE, be, D),

@@ -9,7 +9,12 @@ dq, dK/dV of the cache and dK/dV of the extra keys.
 
 Kernel layout: the G = N/K q heads of one kv head are folded into rows
 (row = token * G + head-in-group), so one program serves (batch, kv head,
-q block) and every K/V block it reads is shared by its G heads.
+q block) and every K/V block it reads is shared by its G heads. The cache
+comes in `attend_xla`'s kv-head-major layout `[B, K, S, D]` and is used as
+is (no transpose): the cache of one (batch, kv head) is a contiguous
+`[S, D]` slab, so every cache block a program reads (a Triton load, a TPU
+DMA or BlockSpec block) is one contiguous `[block_k, D]` tile. The cache
+gradients come back in the same layout.
 
 Kernels (all `pl.pallas_call`):
   forward / dq   grid (B, K, nQ): loop over cache blocks `0..n_blocks` —
@@ -19,8 +24,9 @@ Kernels (all `pl.pallas_call`):
   dK/dV (cache)  grid (B, K, nK): loop over the q blocks that see the block.
   dK/dV (extra)  grid (B, K, nE): loop over the q blocks of its groups.
 Backends (`backend=`): "gpu" — Triton lowering (pointer loads, dynamic
-trip counts); "tpu" — Mosaic (cache in HBM, double-buffered async DMA into
-VMEM, schedule tables in SMEM via scalar prefetch); "auto" — the one of
+trip counts); "tpu" — Mosaic (forward / dq: cache in HBM, double-buffered
+async DMA of contiguous blocks into VMEM; dK/dV: BlockSpec-pipelined blocks;
+schedule tables in SMEM via scalar prefetch); "auto" — the one of
 `jax.default_backend()` (gpu-structured on CPU). `interpret=None` runs the
 interpreter when the platform can't compile the backend (CPU), using TPU
 interpret mode (`pltpu.InterpretParams`) for the TPU kernels.
@@ -171,13 +177,10 @@ def _core_bwd(cfg, res, do):
   rows = (q.reshape(B, K, nQ, bq, D), do.reshape(B, K, nQ, bq, D),
           as_t(lse), as_t(delta))
   if need_kv:
-    dk5, dv5 = col_call(cfg, "cache", k, v, None,
+    dk4, dv4 = col_call(cfg, "cache", k, v, None,
                         rows + (ints["lim"].reshape(B, nQ, 1, bq),),
                         (ints["qlo_c"], ints["qhi_c"]))
-    Sp = k.shape[1]
-    to_cache = lambda x, ref: jnp.transpose(
-        x.reshape(B, K, Sp, D), (0, 2, 1, 3)).astype(ref.dtype)
-    dk, dv = to_cache(dk5, k), to_cache(dv5, v)
+    dk, dv = dk4.astype(k.dtype), dv4.astype(v.dtype)   # [B, K, Sp, D]
   if cfg.has_extra and need_x:
     dxk5, dxv5 = col_call(cfg, "extra", xk, xv,
                           ints["kg"].reshape(cfg.n_e, cfg.be, 1),
@@ -190,7 +193,7 @@ def _core_bwd(cfg, res, do):
 _core.defvjp(_core_fwd, _core_bwd, symbolic_zeros=True)
 
 
-def attend_pallas(q_BxTxNxD, k_BxSxKxD, v_BxSxKxD, limit_BxT,
+def attend_pallas(q_BxTxNxD, k_BxKxSxD, v_BxKxSxD, limit_BxT,
                   xk_BxExKxD=None, xv_BxExKxD=None,
                   q_group_T: Optional[jax.Array] = None,
                   k_group_E: Optional[jax.Array] = None, *,
@@ -199,6 +202,9 @@ def attend_pallas(q_BxTxNxD, k_BxSxKxD, v_BxSxKxD, limit_BxT,
                   block_e: Optional[int] = None):
   """`attend_xla` as Pallas kernels (same arguments, same `[B, T, N, D]`).
 
+  The cache `k_BxKxSxD`, `v_BxKxSxD` is kv-head major (`[B, K, S, D]`, as in
+  `attend_xla`) and is read in place; its gradients have the same layout.
+
   Keyword-only extras: `backend` ("auto" | "gpu" | "tpu"), `interpret`
   (None: only where the platform can't compile the backend), and the block
   sizes (rows of q — tokens x q-heads-per-kv-head —, cache keys, extra keys;
@@ -206,7 +212,7 @@ def attend_pallas(q_BxTxNxD, k_BxSxKxD, v_BxSxKxD, limit_BxT,
   """
   q = q_BxTxNxD
   B, T, N, D = q.shape
-  S, K = k_BxSxKxD.shape[1], k_BxSxKxD.shape[2]
+  K, S = k_BxKxSxD.shape[1], k_BxKxSxD.shape[2]
   if N % K:
     raise ValueError(f"{N} q heads are not a multiple of {K} kv heads")
   G = N // K
@@ -226,7 +232,7 @@ def attend_pallas(q_BxTxNxD, k_BxSxKxD, v_BxSxKxD, limit_BxT,
   be = _fit_block(block_e or de_, E, backend, interp) if has_x else 8
   Rp, Sp = _round_up(R, bq), _round_up(max(S, 1), bk)
   Ep = _round_up(E, be) if has_x else 0
-  dtypes = [q.dtype, k_BxSxKxD.dtype, v_BxSxKxD.dtype]
+  dtypes = [q.dtype, k_BxKxSxD.dtype, v_BxKxSxD.dtype]
   if has_x:
     dtypes += [xk_BxExKxD.dtype, xv_BxExKxD.dtype]
   cfg = C.Cfg(backend=backend, interpret=interp, scale=float(D) ** -0.5,
@@ -239,8 +245,8 @@ def attend_pallas(q_BxTxNxD, k_BxSxKxD, v_BxSxKxD, limit_BxT,
   qr = _pad_axis(qr, 2, Rp)
   lim = jnp.clip(limit_BxT.astype(jnp.int32), -1, S - 1)
   lim = _pad_axis(jnp.repeat(lim, G, axis=1), 1, Rp, -1)
-  k = _pad_axis(k_BxSxKxD, 1, Sp)
-  v = _pad_axis(v_BxSxKxD, 1, Sp)
+  k = _pad_axis(k_BxKxSxD, 2, Sp)   # [B, K, Sp, D]: no-op when S % bk == 0
+  v = _pad_axis(v_BxKxSxD, 2, Sp)
   xk = xv = None
   if has_x:
     qg = _pad_axis(jnp.repeat(q_group_T.astype(jnp.int32), G), 0, Rp, -1)

@@ -1,0 +1,46 @@
+"""SmolLM2-135M from the package: greedy generation equals HF transformers."""
+
+import numpy as np
+import pytest
+import torch
+
+import flexdraft_jax as fd
+
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a Python function that returns the square of a number.",
+    "Natalia sold clips to 48 of her friends in April, and then she sold half "
+    "as many clips in May. How many clips did Natalia sell altogether?",
+]
+MAX_NEW = 24
+
+
+def _hf_greedy(model, ids, eos):
+  with torch.no_grad():
+    out = model.generate(torch.tensor([ids]), max_new_tokens=MAX_NEW, do_sample=False,
+                         eos_token_id=list(eos), pad_token_id=eos[0])
+  return out[0, len(ids):].tolist()
+
+
+def _agree(target, prompt_ids, ref, out):
+  """Identical, or diverging only where the target's top-2 logits tie (fp rounding)."""
+  if ref == out:
+    return True
+  i = next((k for k, (a, b) in enumerate(zip(ref, out)) if a != b), min(len(ref), len(out)))
+  lg = np.asarray(fd.target_logits(target, np.asarray([prompt_ids + ref[:i]])))[0, -1]
+  top = np.sort(lg)[-2:]
+  return top[1] - top[0] < 1e-4
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("chat", [False, True])
+def test_greedy_generation_matches_hf(smollm2_target, smollm2_hf_model, chat):
+  tok = smollm2_target.tokenizer
+  ours = fd.generate(smollm2_target, PROMPTS, max_new_tokens=MAX_NEW, chat=chat)
+  for prompt, got in zip(PROMPTS, ours.token_ids):
+    ids = tok.apply_chat_template(prompt) if chat else tok.encode(prompt)
+    ref = _hf_greedy(smollm2_hf_model, ids, smollm2_target.config.eos_token_ids)
+    assert _agree(smollm2_target, ids, ref, got), (prompt, ref, got)
+  assert ours.stats["new_tokens"] == sum(len(t) for t in ours.token_ids)
+  if chat:  # the chat model answers and stops: its EOS ends the row
+    assert "Paris" in ours.texts[0]
