@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from flexdraft_jax.decoding import ar, flex, parallel, sequential, verify
+from flexdraft_jax.decoding import ar, flex, parallel, sequential, sharding, verify
 from flexdraft_jax.decoding.sampling import SamplingParams
 from flexdraft_jax.decoding.state import KV_BLOCK, DecodeState, prefill
 from flexdraft_jax.drafter.model import Drafter
@@ -70,11 +70,14 @@ def group_buckets(bs: int, opts: SpecOptions) -> tuple:
 
 
 @functools.partial(jax.jit, static_argnames=(
-    "cfg", "dcfg", "S", "sp", "out_len", "attn_impl"))
+    "cfg", "dcfg", "S", "sp", "out_len", "attn_impl", "cache_sharding"))
 def _prefill(target_params, draft_params, prompt_BxP, plen_B, valid_B, key, *,
-             cfg, dcfg, S, sp, max_new, out_len, stop_ids, attn_impl):
+             cfg, dcfg, S, sp, max_new, out_len, stop_ids, attn_impl,
+             cache_sharding=None):
   B = prompt_BxP.shape[0]
   cache = transformer.KVCache.zeros(cfg, B, S, target_params["embed"].dtype)
+  if cache_sharding is not None:
+    cache = jax.lax.with_sharding_constraint(cache, cache_sharding)
   drafter = None if dcfg is None else Drafter(dcfg, draft_params)
   return prefill(target_params, cfg, cache, prompt_BxP, plen_B, valid_B, key,
                  sp=sp, max_new=max_new, out_len=out_len, stop_ids=stop_ids,
@@ -240,26 +243,29 @@ def _capacity(cfg, plens, max_new, bs, max_len):
 def _generate_batch(target, ids, max_new, sp, seed, drafter, mode, opts,
                     stop_ids, max_len, attn_impl, steps_per_call):
   cfg = target.config
-  B = len(ids)
-  plens = [len(x) for x in ids]
+  mesh = sharding.batch_mesh()
+  B, Bp = len(ids), sharding.padded_batch(len(ids), mesh)
+  plens = [len(x) for x in ids] + [1] * (Bp - len(ids))  # pad rows start done
   bs = drafter.config.block_size if drafter is not None else 1
   S = _capacity(cfg, plens, max_new, bs, max_len)
-  P = _round_up(max(plens), 32)
-  prompt = np.zeros((B, P), np.int32)
+  prompt = np.zeros((Bp, _round_up(max(plens), 32)), np.int32)
   for i, x in enumerate(ids):
     prompt[i, :len(x)] = x
+  prompt, plen, valid = sharding.put_batch(
+      mesh, prompt, np.asarray(plens, np.int32), np.arange(Bp) < B)
   dcfg = None if drafter is None else drafter.config
-  dparams = None if drafter is None else drafter.params
+  dparams = None if drafter is None else sharding.replicate(mesh, drafter.params)
+  target = target._replace(params=sharding.replicate(mesh, target.params))
+  drafter = None if drafter is None else drafter._replace(params=dparams)
   static = dict(cfg=cfg, dcfg=dcfg, sp=sp, attn_impl=attn_impl)
   traced = dict(max_new=jnp.int32(max_new), stop_ids=_stop_array(stop_ids))
   t0 = time.perf_counter()
-  state = _prefill(target.params, dparams, jnp.asarray(prompt),
-                   jnp.asarray(plens, jnp.int32), jnp.ones((B,), bool),
+  state = _prefill(target.params, dparams, prompt, plen, valid,
                    jax.random.PRNGKey(seed), S=S, out_len=_round_up(max_new + bs, 64),
-                   **static, **traced)
+                   cache_sharding=sharding.cache_sharding(mesh), **static, **traced)
   jax.block_until_ready(state)
   t1 = time.perf_counter()
-  driver = flex.Driver(target, drafter, mode, opts, static, traced, B, S,
+  driver = flex.Driver(target, drafter, mode, opts, static, traced, Bp, S,
                        steps_per_call=steps_per_call)
   state = jax.block_until_ready(driver.run(state, max_new))
   t2 = time.perf_counter()
