@@ -34,6 +34,9 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--strategy", default="cumulative_product",
                  choices=("cumulative_product", "min_confidence"))
   p.add_argument("--flex-threshold", default="auto", help="B*: an integer or 'auto'")
+  p.add_argument("--draft-sampling", action="store_true",
+                 help="T>0: sample drafts and verify by rejection sampling")
+  p.add_argument("--block-size", type=int, help="decode with a smaller block than trained")
   p.add_argument("--batch-size", type=int)
   p.add_argument("--attention-impl", default="xla", choices=("xla", "pallas", "auto"))
   p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -86,7 +89,8 @@ def main(argv) -> int:
       seed=args.seed, drafter=drafter, mode=args.mode, chat=args.chat,
       batch_size=args.batch_size, threshold=args.threshold,
       strategy=args.strategy, flex_threshold=flex_threshold,
-      attn_impl=args.attention_impl)
+      attn_impl=args.attention_impl, draft_sampling=args.draft_sampling,
+      block_size=args.block_size)
   if args.json:
     print(json.dumps({
         "outputs": [{"prompt": p, "token_ids": t, "text": x}

@@ -71,3 +71,28 @@ def top2_gap(target, ids):
   lg = np.asarray(target_logits(target, np.asarray([ids])))[0, -1]
   top = np.sort(lg)[-2:]
   return float(top[1] - top[0])
+
+
+def bigram_drafter(target, num_layers=2, scale=30.0):
+  """A block-size-2 drafter that drafts the target's favourite successor of the
+  bonus token — built in closed form through the calibration MLP, so drafts are
+  often accepted (acceptance paths get exercised) without any training.
+
+  w1 maps embed(bonus) to a one-hot of the bonus id; w2 maps that one-hot to a
+  large logit on f(bonus) = argmax of the target after the single token bonus.
+  """
+  from flexdraft_jax import target_logits
+  cfg = target.config
+  V, H = cfg.vocab_size, cfg.hidden_size
+  d = random_drafter(target, num_layers=num_layers, block_size=2)
+  dcfg = DrafterConfig(num_layers=num_layers, block_size=2, calib_rank=V)
+  succ = np.asarray(target_logits(target, np.arange(V)[:, None]))[:, 0].argmax(-1)
+  E = np.asarray(target.params["embed"], np.float64)
+  w1 = np.zeros((2 * H, V))
+  w1[:H] = np.linalg.pinv(E) * scale            # embed(b) @ w1 ≈ scale · onehot(b)
+  w2 = np.zeros((V, V))
+  w2[np.arange(V), succ] = 1.0
+  params = dict(d.params)
+  params["calib"] = {"w1": jnp.asarray(w1, jnp.float32), "b1": jnp.zeros((V,)),
+                     "w2": jnp.asarray(w2, jnp.float32), "b2": jnp.zeros((V,))}
+  return Drafter(dcfg, params, target.fingerprint)

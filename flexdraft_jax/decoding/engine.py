@@ -93,7 +93,7 @@ def run_chunk(target_params, draft_params, state: DecodeState, *, cfg, dcfg, mod
   drafter = None if dcfg is None else Drafter(dcfg, draft_params)
   kw = dict(sp=sp, max_new=max_new, stop_ids=stop_ids, attn_impl=attn_impl)
   if refresh:  # drafts went stale during AR steps
-    state = verify.refresh_drafts(target_params, cfg, drafter, state,
+    state = verify.refresh_drafts(target_params, cfg, drafter, state, sp=sp,
                                   attn_impl=attn_impl)
   if mode == "ar":
     step = lambda st: ar.ar_step(target_params, cfg, st, **kw)
@@ -176,13 +176,14 @@ def generate(target, prompts: Sequence, *, max_new_tokens: int = 128,
              max_len: Optional[int] = None, threshold: float = 0.0,
              strategy: str = "cumulative_product", flex_threshold="auto",
              attn_impl: str = "xla", block_size: Optional[int] = None,
+             draft_sampling: bool = False,
              steps_per_call: int = 16) -> GenerateResult:
   """Generates continuations of `prompts` (strings or id lists).
 
   Every mode's output is the target's (token-identical to `ar` at T=0).
   Returns GenerateResult(token_ids, texts, stats).
   """
-  sp = SamplingParams(temperature, top_k, top_p)
+  sp = SamplingParams(temperature, top_k, top_p, draft_sampling)
   opts = SpecOptions(threshold, strategy, flex_threshold)
   opts.validate()
   if mode not in MODES:

@@ -33,4 +33,4 @@ def parallel_step(target_params, cfg, drafter, state: DecodeState, *,
   new = verify.commit(state, y, a, cache, max_new=max_new, stop_ids=stop_ids)
   hm_group = jnp.take_along_axis(
       hm.reshape(B, num_groups, bs, -1), a[:, None, None, None], axis=1)[:, 0]
-  return verify.set_drafts(target_params, cfg, drafter, new, hm_group, state)
+  return verify.set_drafts(target_params, cfg, drafter, new, hm_group, state, sp)

@@ -16,6 +16,9 @@ class SamplingParams:
   temperature: float = 0.0
   top_k: Optional[int] = None
   top_p: Optional[float] = None
+  # Sample drafts from the draft distribution and verify them with Leviathan
+  # rejection sampling (SPEC §3) instead of drafting the argmax (T > 0 only).
+  draft_sampling: bool = False
 
   def __post_init__(self):
     if self.temperature < 0:
@@ -28,6 +31,10 @@ class SamplingParams:
   @property
   def greedy(self) -> bool:
     return self.temperature == 0.0
+
+  @property
+  def sampled_drafts(self) -> bool:
+    return self.draft_sampling and not self.greedy
 
 
 def processed_logits(logits_xV, sp: SamplingParams):

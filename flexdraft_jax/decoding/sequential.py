@@ -22,5 +22,5 @@ def sequential_step(target_params, cfg, drafter, state: DecodeState, *,
   y, a = verify.verify_block(target_params, cfg, h, state,
                              jnp.full_like(state.length_B, bs - 1), sp)
   new = verify.commit(state, y, a, cache, max_new=max_new, stop_ids=stop_ids)
-  return verify.refresh_drafts(target_params, cfg, drafter, new,
+  return verify.refresh_drafts(target_params, cfg, drafter, new, sp=sp,
                                attn_impl=attn_impl)

@@ -13,7 +13,7 @@ from typing import NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 
-from flexdraft_jax.decoding.sampling import SamplingParams, sample
+from flexdraft_jax.decoding.sampling import SamplingParams, processed_logits, sample
 from flexdraft_jax.drafter import model as drafter_model
 from flexdraft_jax.model import transformer
 
@@ -29,6 +29,7 @@ class DecodeState(NamedTuple):
   bonus_B: jax.Array       # int32, token at position c
   drafts_BxD: jax.Array    # int32 [B, bs-1] (D = 0 without a drafter)
   conf_BxD: jax.Array      # f32, max draft probability of each draft
+  q_BxDxV: jax.Array       # f32 draft distributions (sampled drafts only; else V = 0)
   out_BxO: jax.Array       # int32 output buffer
   n_out_B: jax.Array       # int32 tokens emitted
   done_B: jax.Array        # bool
@@ -60,13 +61,22 @@ def emit(state: DecodeState, new_BxE, n_new_B, max_new, stop_ids_S):
   return out, n_out, done, n
 
 
-def _draft_from_hidden(target_params, cfg, drafter, hm_BxbsxH, bonus_B):
-  """Drafts d1..d_{bs-1} (argmax of calibrated logits) and their confidences."""
+DRAFT_KEY_OFFSET = 1 << 30  # keeps draft sampling's keys apart from verification's
+
+
+def draft_tokens(target_params, cfg, drafter, hm_BxbsxH, bonus_B, sp: SamplingParams, key):
+  """Drafts d1..d_{bs-1} from mask slots 1.., their confidences and, for sampled
+  drafts, their distributions q (else an empty `[B, D, 0]`)."""
   h = hm_BxbsxH[:, 1:]
   bonus = jnp.broadcast_to(bonus_B[:, None], h.shape[:2])
   lg = drafter_model.draft_logits(target_params, cfg, drafter, h, bonus)
   probs_max = jnp.max(jax.nn.softmax(lg, axis=-1), axis=-1)
-  return jnp.argmax(lg, axis=-1).astype(jnp.int32), probs_max
+  if not sp.sampled_drafts:
+    q = jnp.zeros(h.shape[:2] + (0,), jnp.float32)
+    return jnp.argmax(lg, axis=-1).astype(jnp.int32), probs_max, q
+  x = processed_logits(lg, sp)
+  drafts = jax.random.categorical(key, x).astype(jnp.int32)
+  return drafts, probs_max, jax.nn.softmax(x, axis=-1)
 
 
 def mask_block(start_B, limit_B, num_groups: int, bs: int):
@@ -94,15 +104,16 @@ def prefill(target_params, cfg, cache, prompt_BxP, plen_B, valid_B, key, *,
       draft=None if drafter is None else drafter.params, masks=masks,
       num_draft_layers=L, attn_impl=attn_impl, kv_block=KV_BLOCK)
   h_last = jnp.take_along_axis(h, (plen_B - 1)[:, None, None], axis=1)
-  key, sub = jax.random.split(key)
+  key, sub, sub_draft = jax.random.split(key, 3)
   t0 = sample(transformer.logits(target_params, cfg, h_last)[:, 0], sub, sp)
   if drafter is not None:
-    drafts, conf = _draft_from_hidden(target_params, cfg, drafter, hm, t0)
+    drafts, conf, q = draft_tokens(target_params, cfg, drafter, hm, t0, sp, sub_draft)
   else:
     drafts, conf = jnp.zeros((B, 0), jnp.int32), jnp.zeros((B, 0), jnp.float32)
+    q = jnp.zeros((B, 0, 0), jnp.float32)
   state = DecodeState(
       cache=cache, length_B=plen_B.astype(jnp.int32), bonus_B=t0,
-      drafts_BxD=drafts, conf_BxD=conf,
+      drafts_BxD=drafts, conf_BxD=conf, q_BxDxV=q,
       out_BxO=jnp.zeros((B, out_len), jnp.int32),
       n_out_B=jnp.zeros((B,), jnp.int32), done_B=~valid_B, key=key,
       steps=jnp.zeros((), jnp.int32), accept_hist=jnp.zeros((bs + 1,), jnp.int32))

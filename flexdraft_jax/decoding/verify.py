@@ -6,7 +6,9 @@ import jax
 import jax.numpy as jnp
 
 from flexdraft_jax.decoding.sampling import SamplingParams, sample
-from flexdraft_jax.decoding.state import KV_BLOCK, DecodeState, _draft_from_hidden, emit, mask_block
+from flexdraft_jax.decoding.sampling import processed_logits
+from flexdraft_jax.decoding.state import (DRAFT_KEY_OFFSET, KV_BLOCK, DecodeState,
+                                         draft_tokens, emit, mask_block)
 from flexdraft_jax.model import transformer
 
 STRATEGIES = ("cumulative_product", "min_confidence")
@@ -28,10 +30,40 @@ def verify_block(target_params, cfg, h_BxbsxH, state: DecodeState, vlen_B,
   exact rejection sampling for a point-mass draft: lossless at any T.
   """
   lg = transformer.logits(target_params, cfg, h_BxbsxH)
-  y = sample(lg, jax.random.fold_in(state.key, state.steps), sp)
+  key = jax.random.fold_in(state.key, state.steps)
+  if sp.sampled_drafts:
+    return leviathan(lg, state, vlen_B, sp, key)
+  y = sample(lg, key, sp)
   D = state.drafts_BxD.shape[1]
   ok = (y[:, :D] == state.drafts_BxD) & (jnp.arange(D)[None] < vlen_B[:, None])
   a = jnp.sum(jnp.cumprod(ok, axis=1), axis=1).astype(jnp.int32)
+  return y, a
+
+
+def leviathan(lg_BxbsxV, state: DecodeState, vlen_B, sp: SamplingParams, key):
+  """Rejection sampling for drafts sampled from q (Leviathan et al.): accept d
+  with probability min(1, p(d)/q(d)); at the first rejection sample the
+  residual norm(max(p - q, 0)); if all `vlen` are accepted, sample p.
+
+  Returns (y, a) laid out like the exact-match rule: y[a] is the new bonus.
+  """
+  p = jax.nn.softmax(processed_logits(lg_BxbsxV, sp), axis=-1)
+  d, q = state.drafts_BxD, state.q_BxDxV
+  B, D = d.shape
+  k_accept, k_bonus = jax.random.split(key)
+  p_d = jnp.take_along_axis(p[:, :D], d[..., None], axis=-1)[..., 0]
+  q_d = jnp.take_along_axis(q, d[..., None], axis=-1)[..., 0]
+  u = jax.random.uniform(k_accept, (B, D))
+  ok = (u * q_d < p_d) & (jnp.arange(D)[None] < vlen_B[:, None])
+  a = jnp.sum(jnp.cumprod(ok, axis=1), axis=1).astype(jnp.int32)
+  p_a = jnp.take_along_axis(p, a[:, None, None], axis=1)[:, 0]
+  q_a = jnp.take_along_axis(jnp.pad(q, ((0, 0), (0, 1), (0, 0))), a[:, None, None],
+                            axis=1)[:, 0]
+  resid = jnp.where((a < vlen_B)[:, None], jnp.maximum(p_a - q_a, 0.0), p_a)
+  resid = jnp.where(resid.sum(-1, keepdims=True) > 0, resid, p_a)
+  bonus = jax.random.categorical(k_bonus, jnp.log(resid)).astype(jnp.int32)
+  y = jnp.pad(d, ((0, 0), (0, 1)))
+  y = jnp.where(jnp.arange(D + 1)[None] == a[:, None], bonus[:, None], y)
   return y, a
 
 
@@ -54,21 +86,23 @@ def commit(state: DecodeState, y_Bxbs, a_B, cache, *, max_new,
 
 
 def set_drafts(target_params, cfg, drafter, state: DecodeState, hm_BxbsxH,
-               old: DecodeState) -> DecodeState:
+               old: DecodeState, sp: SamplingParams) -> DecodeState:
   """New drafts from one mask group's hidden states and the (new) bonus."""
-  drafts, conf = _draft_from_hidden(target_params, cfg, drafter, hm_BxbsxH,
-                                    state.bonus_B)
-  live = ~old.done_B[:, None]
-  return state._replace(drafts_BxD=jnp.where(live, drafts, old.drafts_BxD),
-                        conf_BxD=jnp.where(live, conf, old.conf_BxD))
+  key = jax.random.fold_in(state.key, DRAFT_KEY_OFFSET + state.steps)
+  drafts, conf, q = draft_tokens(target_params, cfg, drafter, hm_BxbsxH,
+                                 state.bonus_B, sp, key)
+  live = ~old.done_B
+  return state._replace(drafts_BxD=jnp.where(live[:, None], drafts, old.drafts_BxD),
+                        conf_BxD=jnp.where(live[:, None], conf, old.conf_BxD),
+                        q_BxDxV=jnp.where(live[:, None, None], q, old.q_BxDxV))
 
 
 def refresh_drafts(target_params, cfg, drafter, state: DecodeState, *,
-                   attn_impl: str = "xla") -> DecodeState:
+                   sp: SamplingParams, attn_impl: str = "xla") -> DecodeState:
   """One mask group on the bonus's position through the deep layers only."""
   bs, L = drafter.config.block_size, drafter.config.num_layers
   masks = mask_block(state.length_B, state.length_B - 1, 1, bs)
   _, hm, _ = transformer.forward(target_params, cfg, state.cache, None, None,
                                  draft=drafter.params, masks=masks,
                                  num_draft_layers=L, attn_impl=attn_impl, kv_block=KV_BLOCK)
-  return set_drafts(target_params, cfg, drafter, state, hm, state)
+  return set_drafts(target_params, cfg, drafter, state, hm, state, sp)

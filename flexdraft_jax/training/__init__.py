@@ -1,0 +1,9 @@
+"""Drafter training (SPEC §4): regenerate data with the target, then train the draft pytree.
+
+  data.py        prompt sources, the tfds dataset of regenerated answers, packing
+  regenerate.py  `python -m flexdraft_jax regenerate`
+  loss.py        dual-path training loss and offline metrics (τ, per-slot accuracy)
+  train.py       `python -m flexdraft_jax train`: optimizer, loop, checkpoints
+  sharding.py    mesh, logical-axis rules, multi-process start-up
+  targets.py     target specs, including random tiny targets for tests
+"""

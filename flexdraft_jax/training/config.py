@@ -1,0 +1,80 @@
+"""The shared shape of a training config; configs/*.py fill it in.
+
+Paths default to `$FLEXDRAFT_DATA` (else `<repo>/../shared/data`) for prompt
+files and `$FLEXDRAFT_RUNS` (else `<repo>/../runs`) for regenerated data.
+"""
+
+from __future__ import annotations
+
+import os
+
+import ml_collections
+
+_REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def data_root() -> str:
+  return os.environ.get("FLEXDRAFT_DATA", os.path.join(_REPO, "..", "shared", "data"))
+
+
+def runs_root() -> str:
+  return os.environ.get("FLEXDRAFT_RUNS", os.path.join(_REPO, "..", "runs"))
+
+
+MATH_SUFFIX = ("\n\nSolve the problem step by step, then give the final answer "
+               "as `Final Answer: \\boxed{N}`.")
+CODE_SUFFIX = "\n\nWrite the solution as one markdown code block."
+
+
+def base_config(name: str) -> ml_collections.ConfigDict:
+  """Defaults every config starts from (sized for a small CPU run)."""
+  root = data_root()
+  c = ml_collections.ConfigDict()
+  c.name = name
+  c.target = "smollm2-135m"       # a model.loading spec, or random:NAME[:SEED]
+  c.dtype = "float32"             # target compute dtype (fp32 is fastest on CPU)
+
+  c.drafter = ml_collections.ConfigDict(dict(
+      num_layers=4, block_size=16, calib_rank=256, calib_tied=False))
+
+  c.data = ml_collections.ConfigDict()
+  c.data.regen_dir = os.path.join(runs_root(), "regen", name)
+  c.data.mix = ml_collections.ConfigDict(dict(
+      gsm8k=400, mbpp=200, arena_hard_v01=100, arena_hard_v20=100))
+  c.data.paths = ml_collections.ConfigDict(dict(
+      gsm8k=os.path.join(root, "gsm8k", "train.jsonl"),
+      mbpp=os.path.join(root, "mbpp", "mbpp.jsonl"),
+      arena_hard_v01=os.path.join(root, "arena_hard", "question_v0.1.jsonl"),
+      arena_hard_v20=os.path.join(root, "arena_hard", "question_v2.0.jsonl")))
+  c.data.suffix = ml_collections.ConfigDict(dict(gsm8k=MATH_SUFFIX, mbpp=CODE_SUFFIX))
+  c.data.chat_kwargs = ml_collections.ConfigDict()  # e.g. enable_thinking=False
+  c.data.seed = 0
+  c.data.max_prompt_tokens = 256  # longer prompts are skipped
+  c.data.max_new_tokens = 256
+  c.data.batch_size = 16          # regeneration batch (one shard per batch)
+
+  c.train = ml_collections.ConfigDict(dict(
+      seq_len=512, batch_size=8, anchors_per_seq=4, gamma=7.0, loss="ce",
+      lr=1e-3, warmup_steps=50, num_steps=2000, weight_decay=0.01,
+      clip_norm=1.0, b1=0.9, b2=0.95, seed=0,
+      log_every=10, eval_every=100, num_eval=32, eval_batch_size=8,
+      ckpt_every=100, max_to_keep=3, stop_at_step=0, attn_impl="xla"))
+
+  c.mesh = ml_collections.ConfigDict(dict(data=-1, model=1))
+  c.distributed = ml_collections.ConfigDict(dict(
+      coordinator="", num_processes=1, process_id=0))
+  return c
+
+
+def define_flags(argv, *, workdir: bool = False) -> None:
+  """(Re)defines `--config` (+ `--config.a.b=v` overrides, which ml_collections
+  discovers from `argv`) and, optionally, `--workdir` on absl's global FLAGS."""
+  from absl import flags
+  from ml_collections import config_flags
+  for name in list(flags.FLAGS):
+    if name == "config" or name.startswith("config."):
+      delattr(flags.FLAGS, name)
+  config_flags.DEFINE_config_file("config", None, "configs/X.py (get_config())",
+                                  lock_config=True, sys_argv=list(argv))
+  if workdir and "workdir" not in flags.FLAGS:
+    flags.DEFINE_string("workdir", None, "checkpoints, metrics and exported drafters")

@@ -1,0 +1,279 @@
+"""Training data: prompt sources, the regenerated tfds dataset, packing, batch order.
+
+Flow: `load_prompts` (GSM8K train, MBPP 511–974, Arena-Hard; never eval sets)
+-> regenerate.py writes answered prompts as JSONL shards -> `build_dataset`
+turns the shards into a tfds dataset (array_record) -> `load_records` reads it
+back through `as_data_source` -> `Packer` makes fixed-shape batches whose
+order and anchors depend only on (seed, step).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import hashlib
+import json
+import os
+import shutil
+from typing import Iterable, NamedTuple
+
+import numpy as np
+import tensorflow_datasets as tfds
+
+from flexdraft_jax.model.config import FlexDraftError
+
+DATASET_NAME = "flexdraft_regen"
+SOURCES = ("gsm8k", "mbpp", "arena_hard_v01", "arena_hard_v20")
+
+
+class Prompt(NamedTuple):
+  uid: str      # "<source>:<id>", stable across runs
+  source: str
+  text: str
+
+
+def _jsonl(path: str) -> list:
+  if not os.path.isfile(path):
+    raise FlexDraftError(f"prompt file not found: {path}")
+  with open(path) as f:
+    return [json.loads(line) for line in f if line.strip()]
+
+
+def read_source(source: str, path: str, suffix: str = "") -> list:
+  """All prompts of one source (training splits only)."""
+  if source == "gsm8k":
+    rows = [Prompt(f"gsm8k:{i}", source, r["question"]) for i, r in enumerate(_jsonl(path))]
+  elif source == "mbpp":
+    # MBPP validation (511-600) + train (601-974); 1-510 are test/few-shot.
+    rows = [Prompt(f"mbpp:{r['task_id']}", source,
+                   f"{r['text']}\nYour code should pass this test:\n{r['test_list'][0]}")
+            for r in _jsonl(path) if 511 <= int(r["task_id"]) <= 974]
+  elif source.startswith("arena_hard"):
+    rows = [Prompt(f"{source}:{r['uid']}", source, r["prompt"]) for r in _jsonl(path)]
+  else:
+    raise FlexDraftError(f"unknown prompt source {source!r} (known: {', '.join(SOURCES)})")
+  if suffix:
+    rows = [p._replace(text=p.text + suffix) for p in rows]
+  return rows
+
+
+def load_prompts(data_cfg) -> list:
+  """The prompt mix: `data_cfg.mix[source]` prompts of each source (-1: all),
+  picked by a seeded shuffle, interleaved round-robin."""
+  picked = []
+  for source, count in sorted(dict(data_cfg.mix).items()):
+    if count == 0:
+      continue
+    rows = read_source(source, data_cfg.paths[source],
+                       dict(data_cfg.get("suffix", {})).get(source, ""))
+    order = np.random.default_rng([data_cfg.seed, _stable_int(source)]).permutation(len(rows))
+    picked.append([rows[i] for i in order[:None if count < 0 else count]])
+  out = []
+  for i in range(max((len(p) for p in picked), default=0)):
+    out += [p[i] for p in picked if i < len(p)]
+  return out
+
+
+def _stable_int(s: str) -> int:
+  return int(hashlib.sha256(s.encode()).hexdigest()[:8], 16)
+
+
+# ---------------------------------------------------------------- shards ----
+
+def shard_dir(regen_dir: str) -> str:
+  return os.path.join(regen_dir, "shards")
+
+
+def write_shard(regen_dir: str, index: int, records: list) -> str:
+  """Atomically writes answered prompts as shard `index` (JSON lines)."""
+  d = shard_dir(regen_dir)
+  os.makedirs(d, exist_ok=True)
+  path = os.path.join(d, f"shard-{index:05d}.jsonl")
+  with open(path + ".tmp", "w") as f:
+    for r in records:
+      f.write(json.dumps(r) + "\n")
+  os.replace(path + ".tmp", path)
+  return path
+
+
+def next_shard_index(regen_dir: str) -> int:
+  paths = glob.glob(os.path.join(shard_dir(regen_dir), "shard-*.jsonl"))
+  return 1 + max((int(os.path.basename(p)[6:11]) for p in paths), default=-1)
+
+
+def read_shards(regen_dir: str) -> list:
+  out = []
+  for path in sorted(glob.glob(os.path.join(shard_dir(regen_dir), "shard-*.jsonl"))):
+    with open(path) as f:
+      out += [json.loads(line) for line in f if line.strip()]
+  return out
+
+
+# ------------------------------------------------------------------ tfds ----
+
+class FlexdraftRegen(tfds.core.GeneratorBasedBuilder):
+  """Target-regenerated answers: prompt ids (chat template) + answer ids."""
+  VERSION = tfds.core.Version("1.0.0")
+
+  def __init__(self, *, shards_from: str = "", **kwargs):
+    self._shards_from = shards_from
+    super().__init__(**kwargs)
+
+  def _info(self):
+    return tfds.core.DatasetInfo(
+        builder=self, description=self.__doc__,
+        features=tfds.features.FeaturesDict({
+            "uid": tfds.features.Text(),
+            "source": tfds.features.Text(),
+            "prompt_ids": tfds.features.Tensor(shape=(None,), dtype=np.int32),
+            "answer_ids": tfds.features.Tensor(shape=(None,), dtype=np.int32),
+        }))
+
+  def _split_generators(self, dl_manager):
+    return {"train": self._generate_examples()}
+
+  def _generate_examples(self):
+    for r in read_shards(self._shards_from):
+      yield r["uid"], {"uid": r["uid"], "source": r["source"],
+                       "prompt_ids": np.asarray(r["prompt_ids"], np.int32),
+                       "answer_ids": np.asarray(r["answer_ids"], np.int32)}
+
+
+def tfds_dir(regen_dir: str) -> str:
+  return os.path.join(regen_dir, "tfds")
+
+
+def build_dataset(regen_dir: str) -> str:
+  """(Re)builds the tfds dataset (array_record) from the shards; returns its dir."""
+  if not read_shards(regen_dir):
+    raise FlexDraftError(f"no regenerated shards in {shard_dir(regen_dir)}")
+  root = tfds_dir(regen_dir)
+  shutil.rmtree(root, ignore_errors=True)
+  builder = FlexdraftRegen(shards_from=regen_dir, data_dir=root,
+                           file_format="array_record")
+  tfds.disable_progress_bar()
+  builder.download_and_prepare()
+  return builder.data_path.__fspath__()
+
+
+@dataclasses.dataclass
+class Record:
+  uid: str
+  source: str
+  prompt_ids: np.ndarray
+  answer_ids: np.ndarray
+
+
+def load_records(regen_dir: str) -> list:
+  """Every record of the tfds dataset in `regen_dir`, sorted by uid."""
+  version_dirs = sorted(glob.glob(os.path.join(tfds_dir(regen_dir), DATASET_NAME, "*")))
+  if not version_dirs:
+    raise FlexDraftError(f"no regenerated dataset in {regen_dir} (run "
+                         "`python -m flexdraft_jax regenerate` first)")
+  source = tfds.builder_from_directory(version_dirs[-1]).as_data_source()["train"]
+  out = []
+  for i in range(len(source)):
+    ex = source[i]
+    out.append(Record(_text(ex["uid"]), _text(ex["source"]),
+                      np.asarray(ex["prompt_ids"], np.int32),
+                      np.asarray(ex["answer_ids"], np.int32)))
+  return sorted(out, key=lambda r: r.uid)
+
+
+def _text(x) -> str:
+  return x.decode() if isinstance(x, bytes) else str(x)
+
+
+def split_eval(records: list, num_eval: int) -> tuple:
+  """(train, eval): the held-out records are the `num_eval` with the smallest
+  uid hash — stable when more data is added."""
+  order = sorted(range(len(records)), key=lambda i: _stable_int("eval:" + records[i].uid))
+  held = set(order[:num_eval])
+  return ([r for i, r in enumerate(records) if i not in held],
+          [r for i, r in enumerate(records) if i in held])
+
+
+# --------------------------------------------------------------- packing ----
+
+class Packer:
+  """Fixed-shape batches: sequences of `seq_len`, `anchors` anchor blocks each.
+
+  Anchors a lie in the answer region (a >= prompt_len - 1, so the bonus at a+1
+  is an answer token) with a + bs <= seq_len - 1 and a + 1 < length. With
+  fewer candidates than anchors, anchors repeat; with none, the row has no
+  valid anchor (weight 0).
+  """
+
+  def __init__(self, records: list, *, seq_len: int, anchors: int, block_size: int,
+               pad_id: int, seed: int):
+    if not records:
+      raise FlexDraftError("no training records")
+    self.records, self.seq_len, self.K = records, seq_len, anchors
+    self.bs, self.pad_id, self.seed = block_size, pad_id, seed
+
+  def example(self, rec: Record, key: Iterable[int]) -> dict:
+    T, bs, K = self.seq_len, self.bs, self.K
+    ids = np.concatenate([rec.prompt_ids, rec.answer_ids])[:T]
+    length = len(ids)
+    tokens = np.full((T,), self.pad_id, np.int32)
+    tokens[:length] = ids
+    lo = max(len(rec.prompt_ids) - 1, 0)
+    hi = min(T - 1 - bs, length - 2)       # inclusive
+    rng = np.random.default_rng(list(key))
+    if hi >= lo:
+      cand = np.arange(lo, hi + 1)
+      anchors = rng.choice(cand, K, replace=len(cand) < K)
+      ok = np.ones((K,), bool)
+    else:
+      anchors, ok = np.zeros((K,), np.int64), np.zeros((K,), bool)
+    return {"tokens_BxT": tokens, "length_B": np.int32(length),
+            "anchor_BxK": np.sort(anchors).astype(np.int32), "anchor_ok_BxK": ok}
+
+  def batch(self, indices, keys) -> dict:
+    rows = [self.example(self.records[i], k) for i, k in zip(indices, keys)]
+    return {k: np.stack([r[k] for r in rows]) for k in rows[0]}
+
+  def train_indices(self, step: int, batch_size: int) -> tuple:
+    """Record indices and anchor keys of global rows of batch `step`: epoch-wise
+    seeded permutations, so the order depends only on (seed, step)."""
+    n = len(self.records)
+    idx, keys = [], []
+    for g in range(step * batch_size, (step + 1) * batch_size):
+      epoch, pos = divmod(g, n)
+      perm = self._perm(epoch)
+      idx.append(int(perm[pos]))
+      keys.append((self.seed, 1, epoch, pos))
+    return idx, keys
+
+  def _perm(self, epoch: int):
+    cache = getattr(self, "_perm_cache", None)
+    if cache is None or cache[0] != epoch:
+      perm = np.random.default_rng([self.seed, 0, epoch]).permutation(len(self.records))
+      self._perm_cache = cache = (epoch, perm)
+    return cache[1]
+
+  def train_batch(self, step: int, batch_size: int, rows=None) -> dict:
+    """Batch `step` (rows = (start, stop) of the global batch for this process)."""
+    idx, keys = self.train_indices(step, batch_size)
+    if rows is not None:
+      idx, keys = idx[rows[0]:rows[1]], keys[rows[0]:rows[1]]
+    return self.batch(idx, keys)
+
+  def eval_batches(self, batch_size: int, rows=None) -> list:
+    """Fixed batches over every record (anchors from a fixed key), padded by
+    repeating records whose anchors are then marked invalid."""
+    n = len(self.records)
+    out = []
+    for start in range(0, n, batch_size):
+      idx = [min(start + b, n - 1) for b in range(batch_size)]
+      keys = [(self.seed, 2, i) for i in idx]
+      real = np.array([start + b < n for b in range(batch_size)])
+      if rows is not None:
+        idx, keys, real = idx[rows[0]:rows[1]], keys[rows[0]:rows[1]], real[rows[0]:rows[1]]
+      batch = self.batch(idx, keys)
+      batch["anchor_ok_BxK"] &= real[:, None]
+      out.append(batch)
+    return out
+
+  def tokens_per_batch(self, batch: dict) -> int:
+    return int(np.sum(batch["length_B"]))

@@ -1,0 +1,111 @@
+"""The drafter's training loss (SPEC §4) and its offline metrics.
+
+A batch holds `tokens_BxT` (prompt + answer, padded), `length_B` (real length)
+and `anchor_BxK` with `anchor_ok_BxK`. Anchor block k has `bs` masks at
+positions a+1..a+bs that see clean 0..a (limit a) and each other (group k).
+Slot j sits at position a+1+j and, for j >= 1, is trained to predict the token
+there; slot 0 lies on the bonus token (the token at a+1), gets no loss, and the
+bonus feeds the calibration MLP.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from flexdraft_jax.drafter.model import Drafter, DrafterConfig, draft_logits
+from flexdraft_jax.model import transformer
+from flexdraft_jax.model.config import ModelConfig
+
+
+def mask_rows(anchor_BxK, bs: int) -> transformer.MaskRows:
+  """MaskRows for K anchor blocks of `bs` masks each (M = K·bs rows)."""
+  B, K = anchor_BxK.shape
+  j = jnp.arange(bs, dtype=jnp.int32)
+  pos = (anchor_BxK[:, :, None] + 1 + j).reshape(B, K * bs)
+  limit = jnp.repeat(anchor_BxK, bs, axis=1)
+  group = jnp.repeat(jnp.arange(K, dtype=jnp.int32), bs)
+  return transformer.MaskRows(pos, limit, group)
+
+
+def slot_weights(bs: int, gamma: float):
+  """exp(-(j-1)/γ) for slots j >= 1, 0 for slot 0."""
+  j = jnp.arange(bs, dtype=jnp.float32)
+  return jnp.where(j >= 1, jnp.exp(-(j - 1) / gamma), 0.0)
+
+
+def clean_pass(target_params, cfg: ModelConfig, tokens_BxT, *, attn_impl="xla"):
+  """The frozen target over the whole sequence once: (h_BxTxH, cache), no grad."""
+  B, T = tokens_BxT.shape
+  cache = transformer.KVCache.zeros(cfg, B, T, target_params["embed"].dtype)
+  pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+  h, _, cache = transformer.forward(target_params, cfg, cache, tokens_BxT, pos,
+                                    attn_impl=attn_impl)
+  return jax.lax.stop_gradient(h), jax.lax.stop_gradient(cache)
+
+
+def loss_and_metrics(draft_params, target_params, cfg: ModelConfig,
+                     dcfg: DrafterConfig, batch: dict, *, gamma: float = 7.0,
+                     loss_type: str = "ce", attn_impl: str = "xla"):
+  """Weighted per-slot loss over all valid (anchor, slot) pairs, and metrics.
+
+  Returns (loss, metrics) with metrics: loss, acc_S (per slot, S = bs), tau
+  (offline acceptance: 1 + leading slots whose argmax is right), weight sums.
+  """
+  bs = dcfg.block_size
+  tokens, length = batch["tokens_BxT"], batch["length_B"]
+  anchor, anchor_ok = batch["anchor_BxK"], batch["anchor_ok_BxK"]
+  B, T = tokens.shape
+  K = anchor.shape[1]
+  dtype = target_params["embed"].dtype
+  draft = jax.tree.map(lambda x: x.astype(dtype), draft_params)
+
+  h_clean, cache = clean_pass(target_params, cfg, tokens, attn_impl=attn_impl)
+  masks = mask_rows(anchor, bs)
+  _, hm, _ = transformer.forward(target_params, cfg, cache, None, None,
+                                 draft=draft, masks=masks,
+                                 num_draft_layers=dcfg.num_layers,
+                                 attn_impl=attn_impl)
+  pos_BxM = jnp.minimum(masks.pos_BxM, T - 1)
+  bonus_BxM = jnp.repeat(jnp.take_along_axis(tokens, jnp.minimum(anchor + 1, T - 1),
+                                             axis=1), bs, axis=1)
+  logits = draft_logits(target_params, cfg, Drafter(dcfg, draft), hm, bonus_BxM)
+  logits_BxKxSxV = logits.reshape(B, K, bs, -1)
+  label_BxKxS = jnp.take_along_axis(tokens, pos_BxM, axis=1).reshape(B, K, bs)
+  valid_BxKxS = ((masks.pos_BxM < length[:, None]).reshape(B, K, bs)
+                 & anchor_ok[:, :, None] & (jnp.arange(bs) >= 1))
+  logp = jax.nn.log_softmax(logits_BxKxSxV, axis=-1)
+  if loss_type == "ce":
+    per_BxKxS = -jnp.take_along_axis(logp, label_BxKxS[..., None], axis=-1)[..., 0]
+  elif loss_type == "kl":
+    # The target's own distribution for the token at p comes from position p-1.
+    prev = jnp.maximum(pos_BxM - 1, 0)
+    h_prev = jnp.take_along_axis(h_clean, prev[..., None], axis=1)
+    t_logp = jax.nn.log_softmax(transformer.logits(target_params, cfg, h_prev), -1)
+    t_logp = jax.lax.stop_gradient(t_logp).reshape(logp.shape)
+    per_BxKxS = jnp.sum(jnp.exp(t_logp) * (t_logp - logp), axis=-1)
+  else:
+    raise ValueError(f"loss_type must be ce or kl, got {loss_type!r}")
+  w_BxKxS = valid_BxKxS * slot_weights(bs, gamma)
+  loss = jnp.sum(per_BxKxS * w_BxKxS) / jnp.maximum(jnp.sum(w_BxKxS), 1e-9)
+  metrics = offline_metrics(logits_BxKxSxV, label_BxKxS, valid_BxKxS,
+                            anchor_ok)
+  metrics["loss"] = loss
+  return loss, metrics
+
+
+def offline_metrics(logits_BxKxSxV, label_BxKxS, valid_BxKxS, anchor_ok_BxK):
+  """Per-slot accuracy and offline τ over valid anchors.
+
+  τ at an anchor = 1 + number of leading slots 1..bs-1 whose argmax equals the
+  true continuation (a slot past the sequence end stops the run).
+  """
+  correct = (jnp.argmax(logits_BxKxSxV, -1) == label_BxKxS) & valid_BxKxS
+  n_slot = jnp.sum(valid_BxKxS, axis=(0, 1))
+  acc_S = jnp.sum(correct, axis=(0, 1)) / jnp.maximum(n_slot, 1)
+  run = jnp.cumprod(correct[:, :, 1:].astype(jnp.int32), axis=-1)
+  tau_BxK = 1.0 + jnp.sum(run, axis=-1)
+  n_anchor = jnp.sum(anchor_ok_BxK)
+  tau = jnp.sum(tau_BxK * anchor_ok_BxK) / jnp.maximum(n_anchor, 1)
+  return {"acc_S": acc_S, "tau": tau, "n_anchor": n_anchor,
+          "n_slot": jnp.sum(n_slot)}

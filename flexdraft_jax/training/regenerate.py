@@ -1,0 +1,141 @@
+"""`python -m flexdraft_jax regenerate --config configs/X.py`: the target answers
+training prompts (chat template, greedy) and its answers become a tfds dataset.
+
+Resumable: each batch of answered prompts is written as a shard as soon as it
+is done and prompts already in a shard are skipped; the tfds dataset
+(array_record) is rebuilt from all shards at the end. REGEN_DIR gets:
+
+  meta.json   target name + fingerprint, generation settings, throughput
+  shards/     shard-NNNNN.jsonl: {uid, source, prompt_ids, answer_ids}
+  tfds/       flexdraft_regen/1.0.0/… (read with data.load_records)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import tqdm
+
+from flexdraft_jax.model.config import FlexDraftError
+from flexdraft_jax.training import data, targets
+
+
+def _generate_fn():
+  try:
+    from flexdraft_jax.decoding import generate
+  except ImportError:
+    from flexdraft_jax.decoding.engine import generate
+  return generate
+
+
+def prompt_ids(tokenizer, text: str, chat_kwargs: dict) -> list:
+  """The chat-templated prompt as token ids (the exact ids the target sees)."""
+  ids = tokenizer.apply_chat_template(text, add_generation_prompt=True, **chat_kwargs)
+  if isinstance(ids, str):  # a tokenizer that renders text: encode it as is
+    ids = tokenizer.encode(ids)
+  return [int(t) for t in ids]
+
+
+def _check_meta(regen_dir: str, meta: dict) -> None:
+  """Refuses to mix answers of different targets or settings in one dir."""
+  path = os.path.join(regen_dir, "meta.json")
+  if not os.path.exists(path):
+    return
+  with open(path) as f:
+    old = json.load(f)
+  for key in ("target_fingerprint", "max_new_tokens", "chat_kwargs"):
+    if old.get(key) != meta[key]:
+      raise FlexDraftError(
+          f"{regen_dir} holds answers with {key}={old.get(key)!r}, not "
+          f"{meta[key]!r}; use another --config.data.regen_dir")
+
+
+def _write_meta(regen_dir: str, meta: dict) -> None:
+  path = os.path.join(regen_dir, "meta.json")
+  with open(path + ".tmp", "w") as f:
+    json.dump(meta, f, indent=1)
+  os.replace(path + ".tmp", path)
+
+
+def regenerate(config, *, limit: int = 0) -> dict:
+  """Answers every not-yet-answered prompt of the mix; returns meta (with
+  throughput). `limit` > 0 stops after that many new prompts."""
+  dc = config.data
+  regen_dir = os.path.abspath(dc.regen_dir)
+  target = targets.load(config.target, config.dtype)
+  chat_kwargs = dict(dc.chat_kwargs)
+  meta = {"target": target.name, "target_fingerprint": target.fingerprint,
+          "max_new_tokens": dc.max_new_tokens, "chat_kwargs": chat_kwargs,
+          "max_prompt_tokens": dc.max_prompt_tokens, "greedy": True}
+  _check_meta(regen_dir, meta)
+  os.makedirs(regen_dir, exist_ok=True)
+
+  done = {r["uid"] for r in data.read_shards(regen_dir)}
+  todo, skipped = [], 0
+  for p in data.load_prompts(dc):
+    if p.uid in done:
+      continue
+    ids = prompt_ids(target.tokenizer, p.text, chat_kwargs)
+    if len(ids) > dc.max_prompt_tokens:
+      skipped += 1
+      continue
+    todo.append((p, ids))
+  if limit:
+    todo = todo[:limit]
+  # Similar lengths together: less padding, fewer compiled shapes.
+  todo.sort(key=lambda x: (len(x[1]), x[0].uid))
+  print(f"regenerate: {len(done)} answered, {len(todo)} to answer, {skipped} "
+        f"prompts over {dc.max_prompt_tokens} tokens skipped; target {target.name}",
+        flush=True)
+
+  generate = _generate_fn()
+  shard = data.next_shard_index(regen_dir)
+  new_tokens, gen_seconds = 0, 0.0
+  eos = set(int(t) for t in target.config.eos_token_ids)
+  bar = tqdm.tqdm(total=len(todo), unit="prompt", dynamic_ncols=True)
+  for start in range(0, len(todo), dc.batch_size):
+    chunk = todo[start:start + dc.batch_size]
+    t0 = time.perf_counter()
+    res = generate(target, [ids for _, ids in chunk], max_new_tokens=dc.max_new_tokens,
+                   temperature=0.0, batch_size=len(chunk))
+    dt = time.perf_counter() - t0
+    records = []
+    for (p, ids), ans in zip(chunk, res.token_ids):
+      ans = [int(t) for t in ans]
+      new_tokens += len(ans)
+      records.append({"uid": p.uid, "source": p.source, "prompt_ids": ids,
+                      "answer_ids": ans, "stopped": bool(ans and ans[-1] in eos)})
+    data.write_shard(regen_dir, shard, records)
+    shard += 1
+    gen_seconds += dt
+    bar.update(len(chunk))
+    bar.set_postfix(tok_s=f"{new_tokens / max(gen_seconds, 1e-9):.1f}")
+  bar.close()
+  meta.update(last_run_new_tokens=new_tokens, last_run_seconds=round(gen_seconds, 2),
+              last_run_tokens_per_s=round(new_tokens / max(gen_seconds, 1e-9), 2),
+              records=len(data.read_shards(regen_dir)))
+  _write_meta(regen_dir, meta)
+  meta["tfds_dir"] = data.build_dataset(regen_dir)
+  print(json.dumps(meta), flush=True)
+  return meta
+
+
+def run(argv):
+  from absl import flags
+
+  from flexdraft_jax import cli_util
+  from flexdraft_jax.training.config import define_flags
+  define_flags(argv, workdir=False)
+  if "limit" not in flags.FLAGS:
+    flags.DEFINE_integer("limit", 0, "answer at most this many new prompts (0: all)")
+
+  def main(args):
+    if len(args) > 1:
+      raise FlexDraftError(f"unexpected arguments: {' '.join(args[1:])}")
+    if flags.FLAGS.config is None:
+      raise FlexDraftError("--config is required (e.g. configs/smollm2_135m.py)")
+    regenerate(flags.FLAGS.config, limit=flags.FLAGS.limit)
+
+  cli_util.run_main(main, argv)

@@ -1,0 +1,279 @@
+"""`python -m flexdraft_jax train --config configs/X.py --workdir DIR`.
+
+Trains the draft pytree on regenerated data (SPEC §4): only the drafter is
+differentiated and has optimizer state; the target pytree is an input of the
+jitted step and comes back untouched. Checkpoints (orbax, async, atomic) hold
+(step, draft params, optimizer state) and resume exactly: batch order and
+anchors depend only on (seed, step). WORKDIR gets:
+
+  ckpt/               orbax CheckpointManager
+  metrics.csv         per logged step; eval rows carry eval_tau / eval_loss
+  events.out.tfevents.*  the same scalars for TensorBoard
+  best_drafter/       save_drafter export of the checkpoint with the best eval τ
+  final_drafter/      the last step's drafter
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import time
+import types
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+import tqdm
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from flexdraft_jax.drafter import checkpoint as drafter_ckpt
+from flexdraft_jax.drafter.model import Drafter, DrafterConfig, init_draft_params
+from flexdraft_jax.model.config import FlexDraftError
+from flexdraft_jax.training import data, loss as loss_lib, sharding, targets
+from flexdraft_jax.training.metrics_log import MetricsLog
+
+DECAY_KEYS = ("q", "k", "v", "o", "w1", "w2")
+
+
+class TrainResult(NamedTuple):
+  summary: dict      # JSON-able: steps, tokens seen, best eval τ, data
+  params: Any        # final draft pytree on the host (fp32)
+
+
+class TrainState(NamedTuple):
+  step: jax.Array
+  params: Any        # the draft pytree (fp32 master copy)
+  opt_state: Any
+
+
+def make_optimizer(tc) -> tuple:
+  """AdamW (decay on matrices only) + warmup-cosine + global-norm clipping."""
+  schedule = optax.warmup_cosine_decay_schedule(
+      0.0, tc.lr, max(tc.warmup_steps, 1), max(tc.num_steps, tc.warmup_steps + 1),
+      end_value=tc.lr * 0.05)
+  decay_mask = lambda p: jax.tree_util.tree_map_with_path(
+      lambda path, _: path[-1].key in DECAY_KEYS, p)
+  tx = optax.chain(optax.clip_by_global_norm(tc.clip_norm),
+                   optax.adamw(schedule, b1=tc.b1, b2=tc.b2,
+                               weight_decay=tc.weight_decay, mask=decay_mask))
+  return tx, schedule
+
+
+def drafter_config(config) -> DrafterConfig:
+  return DrafterConfig(**dict(config.drafter))
+
+
+def make_steps(cfg, dcfg, tx, schedule, tc, shardings: dict):
+  """Jitted (train_step, eval_step) with explicit shardings."""
+  kw = dict(gamma=tc.gamma, loss_type=tc.loss, attn_impl=tc.attn_impl)
+
+  def train_step(state: TrainState, target_params, batch):
+    def f(p):
+      return loss_lib.loss_and_metrics(p, target_params, cfg, dcfg, batch, **kw)
+    (_, m), grads = jax.value_and_grad(f, has_aux=True)(state.params)
+    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    m["grad_norm"] = optax.global_norm(grads)
+    m["lr"] = schedule(state.step)
+    m["tokens"] = jnp.sum(batch["length_B"])
+    return TrainState(state.step + 1, params, opt_state), m
+
+  def eval_step(params, target_params, batch):
+    return loss_lib.loss_and_metrics(params, target_params, cfg, dcfg, batch, **kw)[1]
+
+  rep = shardings["replicated"]
+  train = jax.jit(train_step, donate_argnums=(0,),
+                  in_shardings=(shardings["state"], shardings["target"], shardings["batch"]),
+                  out_shardings=(shardings["state"], rep))
+  evaluate = jax.jit(eval_step, in_shardings=(shardings["state"].params,
+                                              shardings["target"], shardings["batch"]),
+                     out_shardings=rep)
+  return train, evaluate
+
+
+def _checkpoint_manager(workdir: str, tc) -> ocp.CheckpointManager:
+  options = ocp.CheckpointManagerOptions(
+      max_to_keep=tc.max_to_keep, enable_async_checkpointing=True, create=True)
+  return ocp.CheckpointManager(os.path.join(os.path.abspath(workdir), "ckpt"),
+                               options=options)
+
+
+def _abstract(tree):
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                                     sharding=x.sharding), tree)
+
+
+def _mean_metrics(ms: list) -> dict:
+  n = sum(m["n_anchor"] for m in ms)
+  tau = sum(m["tau"] * m["n_anchor"] for m in ms) / max(n, 1)
+  return {"eval_tau": tau, "eval_loss": float(np.mean([m["loss"] for m in ms]))}
+
+
+def _setup(config):
+  """Target, data, mesh, initial state and jitted steps."""
+  tc = config.train
+  target = targets.load(config.target, config.dtype)
+  cfg, dcfg = target.config, drafter_config(config)
+  dcfg.validate(cfg)
+  if tc.seq_len < dcfg.block_size + 2:
+    raise FlexDraftError(f"seq_len={tc.seq_len} is too short for block_size="
+                         f"{dcfg.block_size}")
+
+  records = data.load_records(config.data.regen_dir)
+  train_recs, eval_recs = data.split_eval(records, min(tc.num_eval, len(records) // 5))
+  pack = functools.partial(data.Packer, seq_len=tc.seq_len, anchors=tc.anchors_per_seq,
+                           block_size=dcfg.block_size, pad_id=cfg.pad_token_id,
+                           seed=tc.seed)
+  packers = (pack(train_recs), pack(eval_recs) if eval_recs else None)
+
+  mesh = sharding.make_mesh(**dict(config.mesh))
+  tx, schedule = make_optimizer(tc)
+  # Every process computes the same initial drafter from the same target.
+  draft0 = jax.device_get(init_draft_params(
+      target.params, cfg, dcfg, jax.random.PRNGKey(tc.seed), jnp.float32))
+  target_sh = sharding.param_shardings(target.params, mesh)
+  target_params = sharding.put_global(jax.device_get(target.params), target_sh)
+  params_sh = sharding.param_shardings(draft0, mesh)
+  params = sharding.put_global(draft0, params_sh)
+  rep = NamedSharding(mesh, P())
+  opt_state = jax.jit(tx.init)(params)
+  state_sh = TrainState(rep, params_sh,
+                        sharding.state_shardings(opt_state, params_sh, mesh))
+  state = jax.device_put(TrainState(jnp.int32(0), params, opt_state), state_sh)
+  shardings_ = {"state": state_sh, "target": target_sh, "replicated": rep,
+                "batch": sharding.batch_sharding(mesh)}
+  steps = make_steps(cfg, dcfg, tx, schedule, tc, shardings_)
+  # Keep only what exports need; the params now live in `target_params`.
+  ref = types.SimpleNamespace(config=cfg, name=target.name, fingerprint=target.fingerprint)
+  info = {"target": ref, "records": len(records), "train_records": len(train_recs),
+          "eval_records": len(eval_recs)}
+  return state, target_params, packers, steps, mesh, info
+
+
+def _host_drafter(config, state: TrainState, fingerprint: str) -> Drafter:
+  return Drafter(drafter_config(config), sharding.to_host(state.params), fingerprint)
+
+
+def train(config, workdir: str) -> TrainResult:
+  """Runs (or resumes) training in `workdir`."""
+  sharding.maybe_initialize_distributed(**dict(config.distributed))
+  tc = config.train
+  is_main = jax.process_index() == 0
+  state, target_params, (packer, eval_packer), (train_step, eval_step), mesh, info = \
+      _setup(config)
+  target = info.pop("target")
+  bs = config.drafter.block_size
+  mngr = _checkpoint_manager(workdir, tc)
+  meta = {"tokens_seen": 0, "best_tau": -1.0, "best_step": -1}
+  start = mngr.latest_step() or 0
+  if start:
+    restored = mngr.restore(start, args=ocp.args.Composite(
+        state=ocp.args.StandardRestore(_abstract(state)),
+        meta=ocp.args.JsonRestore()))
+    state, meta = restored.state, dict(restored.meta)
+  columns = (["step", "loss", "tau", "lr", "grad_norm", "tokens_seen", "steps_per_s"]
+             + [f"acc_{j}" for j in range(1, bs)] + ["eval_tau", "eval_loss"])
+  log = MetricsLog(workdir, columns, enabled=is_main, resume_step=start)
+  rows = sharding.local_rows(tc.batch_size)
+  end = min(tc.stop_at_step, tc.num_steps) if tc.stop_at_step else tc.num_steps
+  if is_main:
+    print(f"train: {sharding.describe(mesh)}; {info['train_records']} train / "
+          f"{info['eval_records']} eval sequences; steps {start}..{end}", flush=True)
+  training_record = lambda: {
+      "target": target.name, "regen_dir": os.path.abspath(config.data.regen_dir),
+      "mix": dict(config.data.mix), **info, "steps": int(sharding.scalar(state.step)),
+      "tokens_seen": meta["tokens_seen"], "best_eval_tau": meta["best_tau"],
+      "best_step": meta["best_step"], "config": config.name}
+
+  evaluating = eval_packer is not None and tc.eval_every > 0
+  bar = tqdm.tqdm(total=end, initial=start, disable=not is_main, dynamic_ncols=True)
+  t_last, s_last = time.perf_counter(), start
+  for step in range(start, end):
+    batch = sharding.put_batch(packer.train_batch(step, tc.batch_size, rows), mesh,
+                               tc.batch_size)
+    state, m = train_step(state, target_params, batch)
+    m = jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), m)
+    meta["tokens_seen"] += int(m["tokens"])
+    done = step + 1
+    row = None
+    if done % tc.log_every == 0 or done == end:
+      now = time.perf_counter()
+      rate = (done - s_last) / max(now - t_last, 1e-9)
+      t_last, s_last = now, done
+      row = {"loss": float(m["loss"]), "tau": float(m["tau"]), "lr": float(m["lr"]),
+             "grad_norm": float(m["grad_norm"]), "tokens_seen": meta["tokens_seen"],
+             "steps_per_s": rate,
+             **{f"acc_{j}": float(m["acc_S"][j]) for j in range(1, bs)}}
+      bar.set_postfix(loss=f"{row['loss']:.3f}", tau=f"{row['tau']:.2f}")
+    if evaluating and (done % tc.eval_every == 0 or done == end):
+      ev = _evaluate(eval_step, state.params, target_params, eval_packer, mesh, tc)
+      row = dict(row or {}, **ev)
+      if ev["eval_tau"] > meta["best_tau"]:
+        meta["best_tau"], meta["best_step"] = ev["eval_tau"], done
+        _export(os.path.join(workdir, "best_drafter"), config, state, target,
+                training_record(), is_main)
+      bar.write(f"step {done}: eval tau {ev['eval_tau']:.3f} loss "
+                f"{ev['eval_loss']:.3f} (best {meta['best_tau']:.3f} @ {meta['best_step']})")
+    if row is not None:
+      log.write(done, row)
+    if done % tc.ckpt_every == 0 or done == end:
+      mngr.save(done, args=ocp.args.Composite(
+          state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(dict(meta))))
+    bar.update(1)
+  bar.close()
+  mngr.wait_until_finished()
+  mngr.close()
+  log.close()
+  final = _host_drafter(config, state, target.fingerprint)
+  summary = training_record()
+  if is_main:
+    drafter_ckpt.save_drafter(os.path.join(workdir, "final_drafter"), final, target,
+                              training=summary)
+    if not evaluating:  # nothing to choose from: best = last
+      drafter_ckpt.save_drafter(os.path.join(workdir, "best_drafter"), final, target,
+                                training=summary)
+    with open(os.path.join(workdir, "summary.json"), "w") as f:
+      json.dump(summary, f, indent=1)
+  return TrainResult(summary, final.params)
+
+
+def _evaluate(eval_step, params, target_params, packer, mesh, tc) -> dict:
+  rows = sharding.local_rows(tc.eval_batch_size)
+  ms = []
+  for b in packer.eval_batches(tc.eval_batch_size, rows):
+    m = eval_step(params, target_params, sharding.put_batch(b, mesh, tc.eval_batch_size))
+    ms.append({k: float(np.asarray(m[k].addressable_data(0)))
+               for k in ("tau", "loss", "n_anchor")})
+  return _mean_metrics(ms)
+
+
+def _export(path, config, state, target, record, is_main) -> bool:
+  drafter = _host_drafter(config, state, target.fingerprint)  # every process
+  if is_main:
+    drafter_ckpt.save_drafter(path, drafter, target, training=record)
+  return is_main
+
+
+def run(argv):
+  from absl import flags
+
+  from flexdraft_jax import cli_util
+  from flexdraft_jax.training.config import define_flags
+  define_flags(argv, workdir=True)
+
+  def main(args):
+    if len(args) > 1:
+      raise FlexDraftError(f"unexpected arguments: {' '.join(args[1:])}")
+    if flags.FLAGS.config is None:
+      raise FlexDraftError("--config is required (e.g. configs/smollm2_135m.py)")
+    if not flags.FLAGS.workdir:
+      raise FlexDraftError("--workdir is required")
+    result = train(flags.FLAGS.config, flags.FLAGS.workdir)
+    if jax.process_index() == 0:
+      print(json.dumps(result.summary))
+
+  cli_util.run_main(main, argv)

@@ -1,0 +1,99 @@
+"""T > 0: each mode samples the target's distribution (χ² against the exact one)."""
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy import stats
+
+import flexdraft_jax as fd
+from flexdraft_jax.decoding import verify
+from flexdraft_jax.decoding.sampling import processed_logits
+from tests.decoding_util import bigram_drafter, tiny_target
+
+V, N, PROMPT, TEMP = 8, 6000, [3, 5], 1.0
+
+
+@pytest.fixture(scope="module")
+def setup():
+  target = tiny_target(vocab=V, eos=0, scale=0.5, seed=4)
+  drafter = bigram_drafter(target)
+  return target, drafter, _exact_distribution(target)
+
+
+def _exact_distribution(target):
+  """P(t0, t1, t2 | PROMPT) under temperature TEMP, as a [V, V, V] array."""
+  pairs = np.array(list(itertools.product(range(V), repeat=2)))
+  ids = np.concatenate([np.tile(PROMPT, (len(pairs), 1)), pairs], axis=1)
+  lg = fd.target_logits(target, ids)
+  from flexdraft_jax.decoding.sampling import SamplingParams
+  p = np.asarray(jax.nn.softmax(processed_logits(lg, SamplingParams(TEMP)), axis=-1),
+                 np.float64)
+  p0 = p[0, 1]                                   # after the prompt
+  p1 = p[np.arange(0, len(pairs), V), 2]         # after t0 (row t0*V)
+  p2 = p[:, 3].reshape(V, V, V)                  # after t0, t1
+  return p0[:, None, None] * p1[:, :, None] * p2
+
+
+def _chi2_pvalue(tokens, exact):
+  counts = np.zeros((V, V, V))
+  for t in tokens:
+    counts[tuple(t[:3])] += 1
+  expected = exact.ravel() * len(tokens)
+  big = expected >= 5
+  obs = np.append(counts.ravel()[big], counts.ravel()[~big].sum())
+  exp = np.append(expected[big], expected[~big].sum())
+  if exp[-1] < 5:  # fold a tiny remainder into the smallest kept cell
+    obs, exp = obs[:-1], exp[:-1]
+    obs[np.argmin(exp)] += counts.ravel()[~big].sum()
+    exp[np.argmin(exp)] += expected[~big].sum()
+  return stats.chisquare(obs, exp * obs.sum() / exp.sum()).pvalue
+
+
+def _sample(target, drafter, mode, **kw):
+  r = fd.generate(target, [PROMPT] * N, max_new_tokens=3, temperature=TEMP,
+                  drafter=drafter, mode=mode, stop=[], seed=11, **kw)
+  assert all(len(t) == 3 for t in r.token_ids)
+  return r
+
+
+@pytest.mark.parametrize("mode, kw", [
+    ("ar", {}),
+    ("parallel", {}),
+    ("parallel", {"threshold": 0.2}),
+    ("sequential", {}),
+    ("parallel", {"draft_sampling": True}),
+])
+def test_each_mode_samples_the_target_distribution(setup, mode, kw):
+  target, drafter, exact = setup
+  r = _sample(target, drafter, mode, **kw)
+  if mode != "ar":  # drafts were accepted, so the acceptance rule was exercised
+    assert r.stats["tau"] > 1.08, r.stats["tau"]
+  assert _chi2_pvalue(r.token_ids, exact) > 1e-3
+
+
+def _lossy_rule(target_params, cfg, h, state, vlen_B, sp):
+  """A wrong acceptance rule: keep a draft whenever the target gives it ≥ 10 %."""
+  from flexdraft_jax.decoding.sampling import sample
+  from flexdraft_jax.model import transformer
+  lg = transformer.logits(target_params, cfg, h)
+  y = sample(lg, jax.random.fold_in(state.key, state.steps), sp)
+  p = jax.nn.softmax(processed_logits(lg, sp), -1)
+  D = state.drafts_BxD.shape[1]
+  p_d = jnp.take_along_axis(p[:, :D], state.drafts_BxD[..., None], -1)[..., 0]
+  ok = (p_d >= 0.1) & (jnp.arange(D)[None] < vlen_B[:, None])
+  return y, jnp.sum(jnp.cumprod(ok, axis=1), axis=1).astype(jnp.int32)
+
+
+def test_a_wrong_acceptance_rule_fails(setup, monkeypatch):
+  target, drafter, exact = setup
+  monkeypatch.setattr(verify, "verify_block", _lossy_rule)
+  jax.clear_caches()  # steps compiled with the right rule must not be reused
+  try:
+    r = _sample(target, drafter, "parallel")
+  finally:
+    monkeypatch.undo()
+    jax.clear_caches()
+  assert _chi2_pvalue(r.token_ids, exact) < 1e-6
