@@ -133,3 +133,36 @@ def test_drafter_for_another_target_is_refused(target):
 def test_prompt_longer_than_context_is_refused(target):
   with pytest.raises(fd.FlexDraftError, match="exceeds the model's context"):
     fd.generate(target, [[3] * 1000], max_new_tokens=100)
+
+
+def test_oracle_drafts_are_accepted_and_parallel_branch_equals_sequential(target):
+  """Drafts set to the true continuation with the first k right: parallel commits
+  exactly k+1 tokens, and its group-k drafts equal the sequential draft pass."""
+  import jax
+  import jax.numpy as jnp
+  from flexdraft_jax.decoding import parallel, sequential
+  from flexdraft_jax.decoding.sampling import SamplingParams
+  prompt = [5, 6, 7, 8, 9]
+  ref = fd.generate(target, [prompt], max_new_tokens=12, stop=[]).token_ids[0]
+  drafter = random_drafter(target, block_size=4, noise=0.5)
+  sp = SamplingParams()
+  kw = dict(sp=sp, max_new=jnp.int32(12), stop_ids=engine._stop_array(()))
+  state = engine._prefill(target.params, drafter.params, jnp.asarray([prompt + [0] * 27]),
+                          jnp.asarray([5]), jnp.asarray([True]), jax.random.PRNGKey(0),
+                          cfg=target.config, dcfg=drafter.config, S=128, out_len=64,
+                          attn_impl="xla", **kw)
+  assert int(state.bonus_B[0]) == ref[0]
+  for k in (3, 1, 0):
+    drafts = list(ref[1:4])
+    if k < 3:
+      drafts[k] = (drafts[k] + 1) % 64
+    st = state._replace(drafts_BxD=jnp.asarray([drafts], jnp.int32))
+    par = parallel.parallel_step(target.params, target.config, drafter, st, num_groups=4,
+                                 theta=jnp.float32(0), strategy="cumulative_product",
+                                 **kw)
+    seq = sequential.sequential_step(target.params, target.config, drafter, st, **kw)
+    assert int(par.length_B[0]) == 5 + k + 1
+    assert np.asarray(par.out_BxO)[0, :k + 2].tolist() == ref[:k + 2]
+    assert int(par.bonus_B[0]) == ref[k + 1]
+    np.testing.assert_array_equal(par.drafts_BxD, seq.drafts_BxD)
+    np.testing.assert_allclose(par.conf_BxD, seq.conf_BxD, rtol=1e-5)
