@@ -299,7 +299,7 @@ def _merge_stats(parts, mode):
   s["accept_hist"] = hist.tolist()
   s["tokens_per_second"] = s["new_tokens"] / max(s["decode_seconds"], 1e-9)
   s["tau"] = s["committed_tokens"] / max(s["verified_row_steps"], 1)
-  for k in ("group_counts", "mode_per_chunk"):
+  for k in ("group_counts", "mode_steps"):  # run-length [value, steps] lists
     s[k] = [x for p in parts for x in p.get(k, [])]
   for k in ("flex_threshold",):
     if k in parts[0]:

@@ -58,8 +58,10 @@ class Driver:
 
   def run(self, state, max_new: int):
     if self.mode == "ar":
-      self.modes.append("ar")
-      return self._chunk(state, "ar", 0, max_new)
+      state = self._chunk(state, "ar", 0, max_new)
+      self._record("ar", 0, int(state.steps))
+      return state
+    steps = int(state.steps)
     while not bool(np.asarray(state.done_B).all()):
       groups, live = self._needed(state)
       mode = self._choose(state, live, groups)
@@ -67,10 +69,19 @@ class Driver:
       selective = mode == "parallel" and self.opts.theta > 0
       n = 1 if selective else self.steps_per_call
       state = self._chunk(state, mode, g, n)
-      self.modes.append(mode)
-      if mode == "parallel":
-        self.group_counts.append(g)
+      done_steps, steps = int(state.steps) - steps, int(state.steps)
+      self._record(mode, g, done_steps)
     return state
+
+  def _record(self, mode: str, groups: int, steps: int):
+    """Run-length log of [mode, steps] and [group count, steps]."""
+    for log, key in ((self.modes, mode), (self.group_counts, groups)):
+      if key == 0:
+        continue
+      if log and log[-1][0] == key:
+        log[-1][1] += steps
+      else:
+        log.append([key, steps])
 
   def _choose(self, state, live: int, groups: int) -> str:
     if self.mode != "flex":
@@ -136,7 +147,7 @@ class Driver:
         strategy=self.opts.strategy, refresh=False, **self.static, **self.traced)
 
   def stats(self) -> dict:
-    out = {"group_counts": self.group_counts, "mode_per_chunk": self.modes}
+    out = {"group_counts": self.group_counts, "mode_steps": self.modes}
     if self.mode == "flex":
       out["flex_threshold"] = self.opts.flex_threshold
       if self.costs is not None:
