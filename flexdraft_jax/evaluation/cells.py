@@ -1,0 +1,236 @@
+"""One sweep cell: its parameters, its warm-up, its timed run(s), its lossless check.
+
+A cell runs all prompts of one dataset at one (batch size, mode, temperature,
+θ, drafter variant). Multi-turn prompts (MT-Bench) ask turn k+1 after the
+model's own answer to turn k, so every turn is a separate `generate` call and
+the cell's stats add up over turns.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import NamedTuple, Optional
+
+import ml_collections
+import numpy as np
+
+from flexdraft_jax.evaluation import benchmarks
+from flexdraft_jax.model.config import FlexDraftError
+
+# sweep mode -> (engine mode, uses the selective-verification θ)
+MODES = {"ar": ("ar", False), "parallel": ("parallel", False),
+         "parallel_sel": ("parallel", True), "sequential": ("sequential", False),
+         "flex": ("flex", True)}
+
+
+class Cell(NamedTuple):
+  dataset: str
+  batch_size: int
+  mode: str            # a key of MODES
+  temperature: float
+  theta: float = 0.0
+  drafter: str = "-"   # drafter variant: "main", "nocalib", "L2", … ("-" for ar)
+
+  @property
+  def key(self) -> str:
+    return (f"{self.dataset}|bs={self.batch_size}|{self.mode}|T={self.temperature:g}"
+            f"|theta={self.theta:g}|drafter={self.drafter}")
+
+  @property
+  def ar_key(self) -> str:
+    return Cell(self.dataset, self.batch_size, "ar", self.temperature).key
+
+
+_COMPILES: list = []   # names of functions compiled since the listener was added
+_LISTENING = [False]
+
+
+def _on_event(event: str, duration: float, **kw):
+  if event == "/jax/core/compile/backend_compile_duration":
+    _COMPILES.append(str(kw.get("fun_name", "")))
+
+
+def listen_for_compiles():
+  """Counts backend compiles (by function name) from now on."""
+  if not _LISTENING[0]:
+    import jax
+    jax.monitoring.register_event_duration_secs_listener(_on_event)
+    _LISTENING[0] = True
+
+
+class Context(NamedTuple):
+  config: ml_collections.ConfigDict
+  target: object
+  drafters: dict       # variant -> Drafter
+  prompts: dict        # dataset -> [BenchmarkPrompt]
+  max_len: dict        # (dataset, turn) -> KV-cache length
+
+
+def max_lens(target, prompts: dict, config, block: int) -> dict:
+  """A KV-cache length per (dataset, turn) so every batch of a cell (and its
+  warm-up) compiles to the same shapes."""
+  ec, tok = config.eval, target.tokenizer
+  kw = benchmarks.chat_kwargs(target)
+  out = {}
+  for ds, rows in prompts.items():
+    n_turns = max(len(p.turns) for p in rows)
+    first = max(len(benchmarks.render(tok, benchmarks.messages_for_turn(p, []), kw))
+                for p in rows)
+    longest = first
+    for turn in range(n_turns):
+      if turn:  # earlier turns + an answer of max_new tokens + this turn (an upper bound)
+        longest += ec.max_new_tokens + 16 + max(
+            len(benchmarks.render(tok, [{"role": "user", "content": p.turns[turn]}], kw))
+            for p in rows if len(p.turns) > turn)
+      if longest + ec.max_new_tokens > target.config.max_position_embeddings:
+        raise FlexDraftError(
+            f"{ds} turn {turn + 1}: prompts up to {longest} tokens + max_new_tokens="
+            f"{ec.max_new_tokens} exceed the model's context of "
+            f"{target.config.max_position_embeddings}")
+      out[(ds, turn)] = ec.max_len or longest + ec.max_new_tokens + 2 * block + 1
+  return out
+
+
+def _run_lengths(stats: list, key: str) -> dict:
+  """{value: steps} from the engine's run-length logs ([[value, steps], …])."""
+  out = {}
+  for x in stats:
+    for value, steps in x.get(key, []):
+      out[str(value)] = out.get(str(value), 0) + int(steps)
+  return out
+
+
+def _merge(stats: list) -> dict:
+  """Stats of several generate calls (turns) as one."""
+  s = {k: sum(x[k] for x in stats) for k in
+       ("decode_seconds", "prefill_seconds", "new_tokens", "steps",
+        "committed_tokens", "verified_row_steps")}
+  hist = np.zeros(max(len(x["accept_hist"]) for x in stats), np.int64)
+  for x in stats:
+    hist[:len(x["accept_hist"])] += x["accept_hist"]
+  s["accept_hist"] = hist.tolist()
+  s["tokens_per_second"] = s["new_tokens"] / max(s["decode_seconds"], 1e-9)
+  s["tau"] = s["committed_tokens"] / max(s["verified_row_steps"], 1)
+  groups = _run_lengths(stats, "group_counts")
+  s["mean_groups"] = (sum(int(g) * n for g, n in groups.items()) / sum(groups.values())
+                      if groups else None)
+  s["mode_steps"] = _run_lengths(stats, "mode_steps")
+  return s
+
+
+def _generate(ctx: Context, cell: Cell, rows: list) -> tuple:
+  """All turns of `rows`. Returns (outputs[row][turn], prompt_ids[row][turn], stats)."""
+  from flexdraft_jax import api
+  ec, tok = ctx.config.eval, ctx.target.tokenizer
+  kw = benchmarks.chat_kwargs(ctx.target)
+  mode, _ = MODES[cell.mode]
+  drafter = None if mode == "ar" else ctx.drafters[cell.drafter]
+  answers = [[] for _ in rows]
+  outputs = [[] for _ in rows]
+  prompt_ids = [[] for _ in rows]
+  stats = []
+  for turn in range(max(len(p.turns) for p in rows)):
+    live = [i for i, p in enumerate(rows) if len(p.turns) > turn]
+    ids = [benchmarks.render(tok, benchmarks.messages_for_turn(rows[i], answers[i]), kw)
+           for i in live]
+    res = api.generate(
+        ctx.target, ids, max_new_tokens=ec.max_new_tokens, temperature=cell.temperature,
+        seed=ec.seed, drafter=drafter, mode=mode, batch_size=min(cell.batch_size, len(ids)),
+        max_len=ctx.max_len[(cell.dataset, turn)], threshold=cell.theta,
+        strategy=ec.strategy, flex_threshold=_flex_threshold(ec.flex_threshold),
+        attn_impl=ec.attn_impl, block_size=ec.block_size or None)
+    for i, x, toks, text in zip(live, ids, res.token_ids, res.texts):
+      answers[i].append(text)
+      outputs[i].append([int(t) for t in toks])
+      prompt_ids[i].append(x)
+    stats.append(res.stats)
+  return outputs, prompt_ids, _merge(stats)
+
+
+def _flex_threshold(value):
+  if isinstance(value, str) and value != "auto":
+    try:
+      return int(value)
+    except ValueError:
+      raise FlexDraftError(f"eval.flex_threshold must be 'auto' or an integer, "
+                           f"got {value!r}") from None
+  return value
+
+
+def _warmup_rows(rows: list, batch_size: int) -> list:
+  """A first full batch, plus the last partial batch if there is one."""
+  b = min(batch_size, len(rows))
+  tail = len(rows) % b
+  return rows[:b] + (rows[-tail:] if tail else [])
+
+
+def run_cell(ctx: Context, cell: Cell, reference: Optional[dict]) -> dict:
+  """Warm-up, timed run(s), lossless check against `reference` (the AR cell)."""
+  rows = ctx.prompts[cell.dataset]
+  ec = ctx.config.eval
+  t_start = time.perf_counter()
+  if ec.warmup:
+    _generate(ctx, cell, _warmup_rows(rows, cell.batch_size))
+  runs = 0
+  while True:
+    n0 = len(_COMPILES)
+    outputs, prompt_ids, stats = _generate(ctx, cell, rows)
+    runs += 1
+    compiled = [n for n in _COMPILES[n0:] if "_prefill" not in n]
+    if not compiled or runs >= ec.max_timing_runs:
+      break
+  record = {
+      "key": cell.key, "params": cell._asdict(), "n_prompts": len(rows),
+      "rows_per_batch": min(cell.batch_size, len(rows)), "timing_runs": runs,
+      "compiled_during_timing": compiled, **stats,
+      "outputs": outputs, "texts": [[ctx.target.tokenizer.decode(t) for t in o]
+                                    for o in outputs],
+  }
+  if cell.mode == "ar":
+    record["lossless"] = True if cell.temperature == 0 else None
+    record["lossless_detail"] = {"reference": True}
+  elif cell.temperature == 0 and reference is not None:
+    detail = check_lossless(ctx.target, reference["outputs"], outputs, prompt_ids,
+                            ec.lossless_tol)
+    record["lossless"] = detail["mismatched"] == 0
+    record["lossless_detail"] = detail
+  else:
+    record["lossless"] = None
+    record["lossless_detail"] = {"checked": False}
+  record["wall_seconds"] = time.perf_counter() - t_start
+  return record
+
+
+def top2_gap(target, ids) -> float:
+  """Gap between the target's two largest logits after the prefix `ids`."""
+  from flexdraft_jax import api
+  lg = np.asarray(api.target_logits(target, np.asarray([ids], np.int32)))[0, -1]
+  top = np.sort(lg)[-2:]
+  return float(top[1] - top[0])
+
+
+def check_lossless(target, ref_outputs, outputs, prompt_ids, tol: float) -> dict:
+  """Compares outputs row by row, turn by turn, with the reference (AR) ones.
+
+  At the first differing token of a row the target's top-2 logits are checked:
+  within `tol` it is a tie (either token is the target's greedy choice, up to
+  float rounding) and the rest of the row is not compared; otherwise a mismatch.
+  """
+  identical, ties, mismatches = 0, [], []
+  for i, (ref, got) in enumerate(zip(ref_outputs, outputs)):
+    for turn, (a, b) in enumerate(zip(ref, got)):
+      if a == b:
+        continue
+      j = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+      gap = top2_gap(target, list(prompt_ids[i][turn]) + list(a[:j]))
+      item = {"row": i, "turn": turn, "index": j, "top2_gap": gap,
+              "ar_token": a[j] if j < len(a) else None,
+              "token": b[j] if j < len(b) else None}
+      (ties if gap <= tol else mismatches).append(item)
+      break
+    else:
+      identical += 1
+  return {"identical": identical, "ties": len(ties), "mismatched": len(mismatches),
+          "details": (mismatches + ties)[:8]}
+
+

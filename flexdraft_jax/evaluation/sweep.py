@@ -1,0 +1,414 @@
+"""`python -m flexdraft_jax eval --config configs/eval_smollm2.py --workdir DIR`.
+
+Runs benchmarks × batch sizes × modes × temperatures (+ the ablation cells)
+and writes, in DIR:
+
+  results.json   every finished cell, keyed by its parameters (the resume state)
+  results.csv    one row per cell: τ, tokens/s, speedup over AR, lossless, …
+  results.md     speedup / τ tables and the ablation table
+  *.png          speedup vs batch size, τ per dataset, accepted-length histograms
+
+Prompts are the first `eval.limit` of each benchmark file (benchmarks.py), or
+those of `eval.prompts_file`. A cell generates its prompts once untimed on a
+warm-up batch of the same shapes, then timed (decode only, prefill excluded);
+if anything but a prefill compiled during the timed run it is timed again. Speedup = AR time per output
+token ÷ the cell's (SPEC §5), against the AR cell of the same dataset, batch
+size and temperature. At T=0 each cell's tokens must equal the AR cell's; a
+divergence is excused only where the target's top-2 logits are within
+`eval.lossless_tol` at the divergence point.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import sys
+from typing import Optional
+
+import ml_collections
+import numpy as np
+
+from flexdraft_jax.evaluation import benchmarks, cells as cells_lib
+from flexdraft_jax.evaluation.cells import MODES, Cell, Context
+from flexdraft_jax.model.config import FlexDraftError
+
+RESULTS_FILE = "results.json"
+FORMAT_VERSION = 1
+PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SHIPPED_DRAFTER = "flexdraft_jax/drafters/smollm2_135m"
+
+# settings every cell of a workdir shares (a change needs another workdir)
+SHARED_SETTINGS = ("max_new_tokens", "limit", "seed", "strategy", "flex_threshold",
+                   "attn_impl", "block_size", "max_len")
+
+
+def default_config() -> ml_collections.ConfigDict:
+  """Every field the sweep reads, with defaults; configs/eval_*.py adjust it."""
+  from flexdraft_jax.training.config import data_root
+  c = ml_collections.ConfigDict()
+  c.name = "eval"
+  c.target = "smollm2-135m"      # a load_target spec (random:NAME for tests)
+  c.dtype = "float32"
+  c.drafter = SHIPPED_DRAFTER     # a save_drafter directory (relative: cwd, then repo)
+  # Used (with a loud note) when `drafter` does not exist and allow is True.
+  c.random_drafter = ml_collections.ConfigDict(dict(
+      allow=True, num_layers=4, block_size=16, calib_rank=256, seed=0))
+  c.data_dir = data_root()        # $FLEXDRAFT_DATA, else <repo>/../shared/data
+  c.eval = ml_collections.ConfigDict(dict(
+      datasets="gsm8k,math500,humaneval,mbpp,mt_bench",
+      limit=16,                   # prompts per dataset (the first ones of the file)
+      # JSON {dataset: [prompt, …]} replacing benchmark files; a prompt is a
+      # string or a list of user turns. Names need not be benchmarks.
+      prompts_file="",
+      batch_sizes="1,4,16",
+      modes="ar,parallel,parallel_sel,sequential,flex",
+      temperatures="0",
+      max_new_tokens=256,
+      theta=0.01,                 # θ of parallel_sel (and of flex's parallel steps)
+      strategy="cumulative_product",
+      flex_threshold="auto",      # B*: "auto" or an integer
+      seed=0,
+      warmup=True,
+      max_timing_runs=3,          # timed runs until one compiles nothing new
+      max_len=0,                  # KV-cache length; 0: per dataset and turn
+      block_size=0,               # 0: the drafter's
+      attn_impl="xla",
+      lossless_tol=1e-5))
+  c.ablation = ml_collections.ConfigDict(dict(
+      enabled=True, datasets="gsm8k,mt_bench", batch_size=1,
+      # drafters with L draft layers; "" = the main drafter if it has L layers
+      layer_drafters=ml_collections.ConfigDict(dict(L2="", L4="", L6="", L8=""))))
+  return c
+
+
+# ------------------------------------------------------------- helpers ----
+
+def parse_list(value, cast=str) -> list:
+  """"1,4,16" / 4 / (1, 4) -> [cast(x), …]."""
+  if isinstance(value, str):
+    items = [x.strip() for x in value.split(",") if x.strip()]
+  elif isinstance(value, (list, tuple)):
+    items = list(value)
+  else:
+    items = [value]
+  try:
+    return [cast(x) for x in items]
+  except ValueError:
+    raise FlexDraftError(f"cannot read {value!r} as a list of {cast.__name__}") from None
+
+
+def dataset_name(name: str) -> str:
+  """A benchmark's canonical name; other names are kept (prompts_file data sets)."""
+  name = name.strip()
+  try:
+    return benchmarks.canonical_name(name)
+  except FlexDraftError:
+    return name
+
+
+def resolve_path(path: str) -> str:
+  """An absolute path; a relative one is tried from the cwd, then the repo root."""
+  if not path or os.path.isabs(path):
+    return path
+  if os.path.exists(path):
+    return os.path.abspath(path)
+  return os.path.join(PACKAGE_PARENT, path)
+
+
+def without_calibration(drafter):
+  """The same drafter with calibration made the identity (w2 = b2 = 0)."""
+  import jax.numpy as jnp
+  calib = dict(drafter.params["calib"], w2=jnp.zeros_like(drafter.params["calib"]["w2"]),
+               b2=jnp.zeros_like(drafter.params["calib"]["b2"]))
+  return drafter._replace(params=dict(drafter.params, calib=calib))
+
+
+def _calibration_is_identity(drafter) -> bool:
+  c = drafter.params["calib"]
+  return not (np.any(np.asarray(c["w2"])) or np.any(np.asarray(c["b2"])))
+
+
+def load_main_drafter(config, target) -> tuple:
+  """(Drafter, info) from `config.drafter`, or a random one when it is missing
+  and `config.random_drafter.allow` (info["kind"] says which)."""
+  from flexdraft_jax import api
+  path = resolve_path(config.drafter)
+  if path and os.path.isdir(path):
+    drafter = api.load_drafter(path, target)
+    with open(os.path.join(path, "drafter.json"), "rb") as f:
+      digest = hashlib.sha256(f.read()).hexdigest()[:16]
+    return drafter, {"kind": "trained", "path": path, "id": f"trained:{digest}",
+                     "config": dataclasses.asdict(drafter.config), "note": ""}
+  rd = config.random_drafter
+  if not rd.allow:
+    raise FlexDraftError(f"no drafter at {path}: train one (python -m flexdraft_jax "
+                         "train) or pass --config.random_drafter.allow=True")
+  import jax
+  from flexdraft_jax.drafter.model import Drafter, DrafterConfig, init_draft_params
+  dcfg = DrafterConfig(num_layers=min(rd.num_layers, target.config.num_layers),
+                       block_size=rd.block_size, calib_rank=rd.calib_rank)
+  params = init_draft_params(target.params, target.config, dcfg, jax.random.PRNGKey(rd.seed))
+  where = f"at {path}" if path else "given (drafter path is empty)"
+  note = (f"NO TRAINED DRAFTER {where}: using a RANDOMLY INITIALISED drafter "
+          f"(L={dcfg.num_layers}, bs={dcfg.block_size}); its τ and speedups say "
+          "nothing about FlexDraft")
+  return Drafter(dcfg, params, target.fingerprint), {
+      "kind": "random", "path": path, "config": dataclasses.asdict(dcfg), "note": note,
+      "id": f"random:{dcfg.num_layers}:{dcfg.block_size}:{dcfg.calib_rank}:{rd.seed}"}
+
+
+def make_cell(dataset, batch_size, mode, temperature, theta, drafter="main") -> Cell:
+  if mode == "ar":
+    return Cell(dataset, batch_size, "ar", temperature)
+  return Cell(dataset, batch_size, mode, temperature,
+              theta if MODES[mode][1] else 0.0, drafter)
+
+
+# --------------------------------------------------------------- plan ----
+
+def plan_cells(config, ablation: list) -> list:
+  """Every cell to run, AR first within each (dataset, batch, temperature)."""
+  ec = config.eval
+  modes = parse_list(ec.modes)
+  for m in modes:
+    if m not in MODES:
+      raise FlexDraftError(f"unknown mode {m!r} in eval.modes (known: {', '.join(MODES)})")
+  cells = []
+  for ds in parse_list(ec.datasets, dataset_name):
+    for temp in parse_list(ec.temperatures, float):
+      for bs in parse_list(ec.batch_sizes, int):
+        cells.append(make_cell(ds, bs, "ar", temp, 0.0))
+        cells += [make_cell(ds, bs, m, temp, ec.theta) for m in modes if m != "ar"]
+  for row in ablation:
+    for cell in row["cells"]:
+      cells += [Cell(cell.dataset, cell.batch_size, "ar", cell.temperature), cell]
+  seen, out = set(), []
+  for c in cells:
+    if c.batch_size < 1:
+      raise FlexDraftError(f"batch size must be >= 1, got {c.batch_size}")
+    if c.key not in seen:
+      seen.add(c.key)
+      out.append(c)
+  return out
+
+
+def ablation_rows(config, target, main) -> tuple:
+  """(rows, extra drafters): each row names its cells or says why it is skipped."""
+  from flexdraft_jax import api
+  ab, ec = config.ablation, config.eval
+  if not ab.enabled:
+    return [], {}
+  datasets = parse_list(ab.datasets, dataset_name)
+  bs = int(ab.batch_size)
+
+  def cells(mode, variant):
+    return [make_cell(d, bs, mode, 0.0, ec.theta, variant) for d in datasets]
+
+  same = ("calibration is the identity in this drafter (w2 = b2 = 0), so the two "
+          "rows measure the same drafter" if _calibration_is_identity(main) else "")
+  rows = [
+      dict(name="attention tuning only (no calibration)", cells=cells("parallel", "nocalib"),
+           note=same),
+      dict(name="+ bonus calibration", cells=cells("parallel", "main"), note=""),
+      dict(name=f"+ selective verification (θ={ec.theta:g})",
+           cells=cells("parallel_sel", "main"), note=""),
+      dict(name="flex", cells=cells("flex", "main"), note=""),
+  ]
+  drafters = {"nocalib": without_calibration(main)}
+  for name, path in sorted(dict(ab.layer_drafters).items(), key=lambda kv: int(kv[0][1:])):
+    n = int(name[1:])
+    row = dict(name=f"L = {n} draft layers (θ={ec.theta:g})", cells=[], note="")
+    if not path:
+      if main.config.num_layers == n:
+        row.update(cells=cells("parallel_sel", "main"), note="the main drafter")
+      else:
+        row["note"] = f"skipped: no drafter path set (ablation.layer_drafters.{name})"
+    else:
+      full = resolve_path(path)
+      if not os.path.isdir(full):
+        row["note"] = f"skipped: no drafter at {full}"
+      else:
+        try:
+          d = api.load_drafter(full, target)
+        except FlexDraftError as e:
+          row["note"] = f"skipped: {e}"
+        else:
+          if d.config.num_layers != n:
+            row["note"] = f"skipped: {full} has L={d.config.num_layers}, not {n}"
+          else:
+            drafters[name] = d
+            row.update(cells=cells("parallel_sel", name), note=full)
+    rows.append(row)
+  return rows, drafters
+
+
+# ------------------------------------------------------------- results ----
+
+def _prompts_digest(rows: list) -> str:
+  h = hashlib.sha256(json.dumps([[p.uid, list(p.turns)] for p in rows]).encode())
+  return h.hexdigest()[:16]
+
+
+def load_results(workdir: str) -> dict:
+  path = os.path.join(workdir, RESULTS_FILE)
+  if not os.path.exists(path):
+    return {"version": FORMAT_VERSION, "meta": {}, "cells": {}, "ablation": []}
+  try:
+    with open(path) as f:
+      results = json.load(f)
+  except (OSError, ValueError) as e:
+    raise FlexDraftError(f"cannot read {path}: {e}") from None
+  if results.get("version") != FORMAT_VERSION:
+    raise FlexDraftError(f"{path} has format version {results.get('version')}, "
+                         f"this code writes {FORMAT_VERSION}; use another --workdir")
+  return results
+
+
+def save_results(workdir: str, results: dict) -> str:
+  path = os.path.join(workdir, RESULTS_FILE)
+  with open(path + ".tmp", "w") as f:
+    json.dump(results, f)
+  os.replace(path + ".tmp", path)
+  return path
+
+
+def _check_meta(old: dict, new: dict, workdir: str) -> dict:
+  """Refuses to mix cells of different targets, drafters, settings or prompts."""
+  if not old:
+    return new
+  for key in ("target_fingerprint", "drafter_id", "settings"):
+    if old.get(key) != new[key]:
+      raise FlexDraftError(f"{workdir} holds results for {key}={old.get(key)!r}, not "
+                           f"{new[key]!r}; use another --workdir")
+  for ds, digest in new["prompts"].items():
+    if old["prompts"].get(ds, digest) != digest:
+      raise FlexDraftError(f"{workdir} holds {ds} results for other prompts; "
+                           "use another --workdir")
+  merged = dict(old)
+  merged["prompts"] = {**old["prompts"], **new["prompts"]}
+  merged["ablation_drafters"] = {**old.get("ablation_drafters", {}),
+                                 **new["ablation_drafters"]}
+  return merged
+
+
+def read_prompts_file(path: str) -> dict:
+  """{dataset: [str or [turn, …]]} from a JSON file."""
+  try:
+    with open(resolve_path(path)) as f:
+      data = json.load(f)
+  except (OSError, ValueError) as e:
+    raise FlexDraftError(f"cannot read prompts file {path}: {e}") from None
+  if not isinstance(data, dict) or not all(isinstance(v, list) for v in data.values()):
+    raise FlexDraftError(f"prompts file {path} must hold {{dataset: [prompt, ...]}}")
+  return data
+
+
+def _as_prompt(dataset: str, i: int, p) -> benchmarks.BenchmarkPrompt:
+  if isinstance(p, benchmarks.BenchmarkPrompt):
+    return p
+  turns = (p,) if isinstance(p, str) else tuple(p)
+  if not turns or not all(isinstance(t, str) for t in turns):
+    raise FlexDraftError(f"{dataset} prompt {i} must be a string or a list of strings")
+  return benchmarks.BenchmarkPrompt(f"{dataset}:{i}", dataset, turns)
+
+
+def _load_prompts(config, datasets, explicit: Optional[dict]) -> dict:
+  explicit = {**(read_prompts_file(config.eval.prompts_file)
+                 if config.eval.prompts_file else {}), **(explicit or {})}
+  limit = config.eval.limit
+  out = {}
+  for ds in datasets:
+    if ds in explicit:
+      rows = [_as_prompt(ds, i, p) for i, p in enumerate(explicit[ds])]
+      out[ds] = rows[:limit] if limit > 0 else rows
+    else:
+      out[ds] = benchmarks.load_benchmark(ds, config.data_dir, limit)
+    if not out[ds]:
+      raise FlexDraftError(f"{ds}: no prompts")
+  return out
+
+
+def run_sweep(config, workdir: str, *, prompts: Optional[dict] = None, target=None,
+              drafter=None, progress: bool = True) -> dict:
+  """Runs every cell not yet in `workdir/results.json`, then writes the reports.
+
+  `prompts` ({dataset: [str, [turns] or BenchmarkPrompt]}) replaces benchmark files;
+  `target` / `drafter` replace loading `config.target` / `config.drafter`.
+  Returns {"ran", "skipped", "results", "files"}.
+  """
+  import tqdm
+
+  from flexdraft_jax import api
+  from flexdraft_jax.evaluation import report
+  os.makedirs(workdir, exist_ok=True)
+  if target is None:
+    target = api.load_target(config.target, dtype=config.dtype)
+  if drafter is None:
+    drafter, info = load_main_drafter(config, target)
+  else:
+    info = {"kind": "given", "path": "", "note": "", "config": dataclasses.asdict(drafter.config),
+            "id": f"given:{hashlib.sha256(repr(dataclasses.asdict(drafter.config)).encode()).hexdigest()[:8]}"}
+  if info["note"]:
+    print(f"\n{'!' * 78}\n!! {info['note']}\n{'!' * 78}\n", file=sys.stderr, flush=True)
+  abl, extra = ablation_rows(config, target, drafter)
+  drafters = {"main": drafter, **extra}
+  cells = plan_cells(config, abl)
+  prompts_by_ds = _load_prompts(config, sorted({c.dataset for c in cells}), prompts)
+  block = max(d.config.block_size for d in drafters.values())
+  ctx = Context(config, target, drafters, prompts_by_ds,
+                cells_lib.max_lens(target, prompts_by_ds, config, block))
+
+  results = load_results(workdir)
+  meta = {"target": target.name, "target_fingerprint": target.fingerprint,
+          "drafter": info, "drafter_id": info["id"],
+          "settings": {k: config.eval[k] for k in SHARED_SETTINGS},
+          "prompts": {ds: _prompts_digest(r) for ds, r in prompts_by_ds.items()},
+          "ablation_drafters": {k: d.config.num_layers for k, d in extra.items()},
+          "data_dir": config.data_dir}
+  results["meta"] = _check_meta(results["meta"], meta, workdir)
+  results["ablation"] = [dict(r, cells=[c.key for c in r["cells"]]) for r in abl]
+  results["ablation_settings"] = {"datasets": parse_list(config.ablation.datasets),
+                                  "batch_size": int(config.ablation.batch_size)}
+  cells_lib.listen_for_compiles()
+
+  ran = skipped = 0
+  bar = tqdm.tqdm(cells, desc="eval", unit="cell", disable=not progress, dynamic_ncols=True)
+  for cell in bar:
+    bar.set_postfix_str(cell.key, refresh=False)
+    if cell.key in results["cells"]:
+      skipped += 1
+      continue
+    reference = results["cells"].get(cell.ar_key)
+    results["cells"][cell.key] = cells_lib.run_cell(ctx, cell, reference)
+    save_results(workdir, results)
+    ran += 1
+  bar.close()
+  save_results(workdir, results)
+  files = report.write_all(results, workdir)
+  return {"ran": ran, "skipped": skipped, "results": results, "files": files}
+
+
+# ----------------------------------------------------------------- CLI ----
+
+def run(argv):
+  """Entry from `python -m flexdraft_jax eval --config … --workdir DIR`."""
+  from absl import flags
+
+  from flexdraft_jax import cli_util
+  from flexdraft_jax.training.config import define_flags
+  define_flags(argv, workdir=True)
+
+  def main(args):
+    if len(args) > 1:
+      raise FlexDraftError(f"unexpected arguments: {' '.join(args[1:])}")
+    if flags.FLAGS.config is None:
+      raise FlexDraftError("--config is required (e.g. configs/eval_smollm2.py)")
+    if not flags.FLAGS.workdir:
+      raise FlexDraftError("--workdir is required")
+    out = run_sweep(flags.FLAGS.config, flags.FLAGS.workdir)
+    print(f"eval: {out['ran']} cells run, {out['skipped']} already done; "
+          f"{os.path.join(flags.FLAGS.workdir, 'results.md')}", flush=True)
+
+  cli_util.run_main(main, argv)
