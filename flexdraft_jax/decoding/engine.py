@@ -176,7 +176,7 @@ def generate(target, prompts: Sequence, *, max_new_tokens: int = 128,
              max_len: Optional[int] = None, threshold: float = 0.0,
              strategy: str = "cumulative_product", flex_threshold="auto",
              attn_impl: str = "xla", block_size: Optional[int] = None,
-             draft_sampling: bool = False,
+             draft_sampling: bool = False, calibrate: bool = True,
              steps_per_call: int = 16) -> GenerateResult:
   """Generates continuations of `prompts` (strings or id lists).
 
@@ -196,6 +196,8 @@ def generate(target, prompts: Sequence, *, max_new_tokens: int = 128,
     from flexdraft_jax.drafter.compat import check_compatible
     check_compatible(drafter, target)
     drafter = _with_block_size(drafter, block_size)
+    if not calibrate:  # ablation: drafts without the bonus-guided calibration
+      drafter = drafter._replace(config=dataclasses.replace(drafter.config, calibrate=False))
   if isinstance(prompts, str):
     prompts = [prompts]
   if not prompts:

@@ -19,6 +19,7 @@ class DrafterConfig:
   block_size: int = 16       # bs: mask tokens per block.
   calib_rank: int = 256      # r: hidden width of the calibration MLP.
   calib_tied: bool = False   # low-rank head 2H -> r -> H, then the tied LM head.
+  calibrate: bool = True     # apply the calibration MLP when drafting (ablation: off).
 
   def validate(self, cfg: ModelConfig):
     if not 1 <= self.num_layers <= cfg.num_layers:
@@ -75,7 +76,7 @@ def draft_logits(target_params, cfg: ModelConfig, drafter: Drafter,
                  hm_BxMxH, bonus_BxM, *, calibrate: bool = True):
   """Calibrated draft logits `[B, M, V]` from mask hidden states (pre final norm)."""
   base = transformer.logits(target_params, cfg, hm_BxMxH)
-  if not calibrate:
+  if not (calibrate and drafter.config.calibrate):
     return base
   x = transformer.rms_norm(hm_BxMxH, target_params["final_norm"], cfg.rms_norm_eps)
   return base + calibration_bias(target_params, cfg, drafter.config,

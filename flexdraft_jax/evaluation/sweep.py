@@ -118,11 +118,8 @@ def resolve_path(path: str) -> str:
 
 
 def without_calibration(drafter):
-  """The same drafter with calibration made the identity (w2 = b2 = 0)."""
-  import jax.numpy as jnp
-  calib = dict(drafter.params["calib"], w2=jnp.zeros_like(drafter.params["calib"]["w2"]),
-               b2=jnp.zeros_like(drafter.params["calib"]["b2"]))
-  return drafter._replace(params=dict(drafter.params, calib=calib))
+  """The same drafter decoding without its calibration MLP (not even computed)."""
+  return drafter._replace(config=dataclasses.replace(drafter.config, calibrate=False))
 
 
 def _calibration_is_identity(drafter) -> bool:
