@@ -269,14 +269,12 @@ def _generate_batch(target, ids, max_new, sp, seed, drafter, mode, opts,
   jax.block_until_ready(state)
   t1 = time.perf_counter()
   driver = flex.Driver(target, drafter, mode, opts, static, traced, Bp, S,
-                       steps_per_call=steps_per_call)
+                       steps_per_call=steps_per_call, mesh=mesh)
   state = jax.block_until_ready(driver.run(state, max_new))
   t2 = time.perf_counter()
-  out = np.asarray(state.out_BxO)
-  n_out = np.asarray(state.n_out_B)
   hist = np.asarray(state.accept_hist)
-  tokens = [out[i, :n_out[i]].tolist() for i in range(B)]
-  new_tokens = int(n_out.sum())
+  tokens = driver.outputs_in_order(state, Bp)[:B]
+  new_tokens = sum(len(t) for t in tokens)
   steps = int(np.asarray(state.steps))
   committed = int((hist * np.arange(len(hist))).sum())
   stats = {

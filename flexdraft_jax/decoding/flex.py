@@ -19,6 +19,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+# Once at most half the rows of a batch of at least COMPACT_MIN are live, the
+# live rows move to a smaller batch (a power of two, at least COMPACT_FLOOR),
+# so finished rows stop costing compute.
+COMPACT_MIN, COMPACT_FLOOR = 8, 4
+AR_CHUNK = 32  # AR steps per device loop when the batch can still shrink
+
 COST_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "flexdraft_jax",
                           "step_costs.json")
 
@@ -27,7 +33,7 @@ class Driver:
   """Runs chunks of jitted steps until every row is done."""
 
   def __init__(self, target, drafter, mode, opts, static, traced, B, S,
-               steps_per_call=16):
+               steps_per_call=16, mesh=None):
     from flexdraft_jax.decoding import engine  # the jitted chunk lives there
     self.engine = engine
     self.target, self.drafter, self.mode, self.opts = target, drafter, mode, opts
@@ -38,6 +44,9 @@ class Driver:
     self.group_counts, self.modes = [], []
     self.costs = None
     self.stale_drafts = False
+    self.mesh = mesh
+    self.row_ids = np.arange(B)   # original row of each state row
+    self.outputs = {}             # original row -> tokens, for rows compacted away
 
   def _chunk(self, state, mode, groups, n_steps):
     refresh = self.stale_drafts and mode != "ar"
@@ -57,21 +66,52 @@ class Driver:
     return int(g), int(live)
 
   def run(self, state, max_new: int):
-    if self.mode == "ar":
-      state = self._chunk(state, "ar", 0, max_new)
-      self._record("ar", 0, int(state.steps))
-      return state
+    """Runs to the end; returns the final state (rows in `self.row_ids` order)."""
     steps = int(state.steps)
-    while not bool(np.asarray(state.done_B).all()):
-      groups, live = self._needed(state)
-      mode = self._choose(state, live, groups)
-      g = self._bucket(groups) if mode == "parallel" else 0
-      selective = mode == "parallel" and self.opts.theta > 0
-      n = 1 if selective else self.steps_per_call
+    while True:
+      done = np.asarray(state.done_B)
+      if done.all():
+        return state
+      state = self._maybe_compact(state, done)
+      if self.mode == "ar":
+        mode, g = "ar", 0
+        n = AR_CHUNK if self.B >= COMPACT_MIN else max_new
+      else:
+        groups, live = self._needed(state)
+        mode = self._choose(state, live, groups)
+        g = self._bucket(groups) if mode == "parallel" else 0
+        selective = mode == "parallel" and self.opts.theta > 0
+        n = 1 if selective else self.steps_per_call
       state = self._chunk(state, mode, g, n)
       done_steps, steps = int(state.steps) - steps, int(state.steps)
       self._record(mode, g, done_steps)
+
+  def _maybe_compact(self, state, done):
+    live = int((~done).sum())
+    if self.B < COMPACT_MIN or live > self.B // 2:
+      return state
+    new_b = max(COMPACT_FLOOR, 1 << (live - 1).bit_length())
+    if self.mesh is not None:
+      new_b = -(-new_b // self.mesh.size) * self.mesh.size
+    if new_b >= self.B:
+      return state
+    order = np.concatenate([np.flatnonzero(~done), np.flatnonzero(done)])
+    keep, leave = order[:new_b], order[new_b:]
+    out, n_out = np.asarray(state.out_BxO), np.asarray(state.n_out_B)
+    for i in leave:
+      self.outputs[int(self.row_ids[i])] = out[i, :n_out[i]].tolist()
+    self.row_ids = self.row_ids[keep]
+    state = take_rows(state, jax.numpy.asarray(keep, jax.numpy.int32))
+    self.B, self.costs = new_b, None  # step costs depend on the batch
     return state
+
+  def outputs_in_order(self, state, num_rows: int) -> list:
+    """Every original row's tokens (rows compacted away included)."""
+    out, n_out = np.asarray(state.out_BxO), np.asarray(state.n_out_B)
+    found = dict(self.outputs)
+    for i, r in enumerate(self.row_ids):
+      found[int(r)] = out[i, :n_out[i]].tolist()
+    return [found[r] for r in range(num_rows)]
 
   def _record(self, mode: str, groups: int, steps: int):
     """Run-length log of [mode, steps] and [group count, steps]."""
@@ -153,6 +193,18 @@ class Driver:
       if self.costs is not None:
         out["step_costs"] = self.costs
     return out
+
+
+@jax.jit
+def take_rows(state, idx_R):
+  """The state of rows `idx_R` only (the cache's batch axis is 1)."""
+  batch = lambda x: jnp.take(x, idx_R, axis=0)
+  return state._replace(
+      cache=jax.tree.map(lambda x: jnp.take(x, idx_R, axis=1), state.cache),
+      length_B=batch(state.length_B), bonus_B=batch(state.bonus_B),
+      drafts_BxD=batch(state.drafts_BxD), conf_BxD=batch(state.conf_BxD),
+      q_BxDxV=batch(state.q_BxDxV), out_BxO=batch(state.out_BxO),
+      n_out_B=batch(state.n_out_B), done_B=batch(state.done_B))
 
 
 def _read_costs() -> dict:
