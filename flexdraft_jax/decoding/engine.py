@@ -75,7 +75,9 @@ def _prefill(target_params, draft_params, prompt_BxP, plen_B, valid_B, key, *,
              cfg, dcfg, S, sp, max_new, out_len, stop_ids, attn_impl,
              cache_sharding=None):
   B = prompt_BxP.shape[0]
-  cache = transformer.KVCache.zeros(cfg, B, S, target_params["embed"].dtype)
+  cache = transformer.KVCache.zeros(
+      cfg, B, S, target_params["embed"].dtype,
+      per_layer=isinstance(target_params["layers"], (list, tuple)))
   if cache_sharding is not None:
     cache = jax.lax.with_sharding_constraint(cache, cache_sharding)
   drafter = None if dcfg is None else Drafter(dcfg, draft_params)
@@ -228,6 +230,19 @@ def _with_block_size(drafter: Drafter, block_size: Optional[int]) -> Drafter:
   return drafter._replace(config=dataclasses.replace(drafter.config, block_size=block_size))
 
 
+_unstacked = {}
+
+
+def _decoding_params(tree):
+  """`tree` with per-layer weight arrays (cached per pytree object): decoding
+  reads each layer's weights in place instead of slicing a stacked array."""
+  hit = _unstacked.get(id(tree))
+  if hit is None or hit[0] is not tree:
+    hit = (tree, transformer.unstack_layers(tree))
+    _unstacked[id(tree)] = hit
+  return hit[1]
+
+
 def _capacity(cfg, plens, max_new, bs, max_len):
   need = max(plens) + max_new + 2 * bs + 1
   if max_len is not None:
@@ -257,8 +272,10 @@ def _generate_batch(target, ids, max_new, sp, seed, drafter, mode, opts,
   prompt, plen, valid = sharding.put_batch(
       mesh, prompt, np.asarray(plens, np.int32), np.arange(Bp) < B)
   dcfg = None if drafter is None else drafter.config
-  dparams = None if drafter is None else sharding.replicate(mesh, drafter.params)
-  target = target._replace(params=sharding.replicate(mesh, target.params))
+  dparams = None if drafter is None else sharding.replicate(
+      mesh, _decoding_params(drafter.params))
+  target = target._replace(
+      params=sharding.replicate(mesh, _decoding_params(target.params)))
   drafter = None if drafter is None else drafter._replace(params=dparams)
   static = dict(cfg=cfg, dcfg=dcfg, sp=sp, attn_impl=attn_impl)
   traced = dict(max_new=jnp.int32(max_new), stop_ids=_stop_array(stop_ids))

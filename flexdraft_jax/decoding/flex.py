@@ -197,10 +197,10 @@ class Driver:
 
 @jax.jit
 def take_rows(state, idx_R):
-  """The state of rows `idx_R` only (the cache's batch axis is 1)."""
+  """The state of rows `idx_R` only (per-layer cache arrays are `[B, K, S, D]`)."""
   batch = lambda x: jnp.take(x, idx_R, axis=0)
   return state._replace(
-      cache=jax.tree.map(lambda x: jnp.take(x, idx_R, axis=1), state.cache),
+      cache=jax.tree.map(batch, state.cache),
       length_B=batch(state.length_B), bonus_B=batch(state.bonus_B),
       drafts_BxD=batch(state.drafts_BxD), conf_BxD=batch(state.conf_BxD),
       q_BxDxV=batch(state.q_BxDxV), out_BxO=batch(state.out_BxO),

@@ -24,8 +24,8 @@ def padded_batch(batch: int, mesh: Optional[Mesh]) -> int:
 
 
 def cache_sharding(mesh: Optional[Mesh]):
-  """KV cache `[n, B, K, S, D]` split on B."""
-  return None if mesh is None else NamedSharding(mesh, P(None, "data"))
+  """Per-layer KV cache arrays `[B, K, S, D]` split on B."""
+  return None if mesh is None else NamedSharding(mesh, P("data"))
 
 
 def put_batch(mesh: Optional[Mesh], *arrays):

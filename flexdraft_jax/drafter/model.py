@@ -27,6 +27,8 @@ class DrafterConfig:
           f"drafter num_layers={self.num_layers} must be in [1, {cfg.num_layers}]")
     if self.block_size < 2:
       raise FlexDraftError(f"block_size={self.block_size} must be at least 2")
+    if self.calib_rank < 1:
+      raise FlexDraftError(f"calib_rank={self.calib_rank} must be at least 1")
 
 
 class Drafter(NamedTuple):

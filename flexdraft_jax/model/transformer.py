@@ -33,18 +33,20 @@ ATTN_KEYS = ("q", "k", "v", "o", "q_bias", "k_bias", "v_bias", "q_norm", "k_norm
 
 
 class KVCache(NamedTuple):
-  """Per-layer K/V, `[n, B, K, S, D]`; slot j holds position j of each row."""
+  """Per-layer K/V, `[n, B, K, S, D]` (or n arrays `[B, K, S, D]`); slot j
+  holds position j of each row."""
   k: jax.Array
   v: jax.Array
 
   @classmethod
-  def zeros(cls, cfg: ModelConfig, batch: int, max_len: int, dtype):
-    shape = (cfg.num_layers, batch, cfg.num_kv_heads, max_len, cfg.head_dim)
+  def zeros(cls, cfg: ModelConfig, batch: int, max_len: int, dtype, per_layer=False):
+    """Stacked `[n, B, K, S, D]`, or a tuple of n `[B, K, S, D]` arrays."""
+    shape = (batch, cfg.num_kv_heads, max_len, cfg.head_dim)
+    if per_layer:
+      z = lambda: tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers))
+      return cls(z(), z())
+    shape = (cfg.num_layers,) + shape
     return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
-
-  @property
-  def max_len(self) -> int:
-    return self.k.shape[3]
 
 
 class MaskRows(NamedTuple):
@@ -129,13 +131,15 @@ def _mlp(lp, x_BxTxH):
   return (jax.nn.silu(x_BxTxH @ lp["gate"]) * (x_BxTxH @ lp["up"])) @ lp["down"]
 
 
-def _write(cache_NxBxKxSxD, i, pos_BxT, new_BxTxKxD):
-  """Writes layer i's rows at their positions; positions past the end drop."""
+def _write(cache, i, pos_BxT, new_BxTxKxD):
+  """Writes rows at their positions in layer i of a stacked `[n, B, K, S, D]`
+  cache (or in a per-layer `[B, K, S, D]` one when i is None); positions past
+  the end are dropped."""
   b_BxT = jnp.broadcast_to(jnp.arange(pos_BxT.shape[0])[:, None], pos_BxT.shape)
-  # Advanced indices (i, b, ·, pos) are split by a slice, so the update is
-  # laid out [B, T, K, D] — exactly new_BxTxKxD.
-  return cache_NxBxKxSxD.at[i, b_BxT, :, pos_BxT].set(
-      new_BxTxKxD.astype(cache_NxBxKxSxD.dtype), mode="drop")
+  # Advanced indices (b, ·, pos) are split by a slice, so the update is laid
+  # out [B, T, K, D] — exactly new_BxTxKxD.
+  idx = (b_BxT, slice(None), pos_BxT) if i is None else (i, b_BxT, slice(None), pos_BxT)
+  return cache.at[idx].set(new_BxTxKxD.astype(cache.dtype), mode="drop")
 
 
 def _layer_step(cfg, impl, kv_block, lp, dp, h_BxTxH, hm_BxMxH, ck, cv, i, pos_BxT, masks):
@@ -160,7 +164,8 @@ def _layer_step(cfg, impl, kv_block, lp, dp, h_BxTxH, hm_BxMxH, ck, cv, i, pos_B
     groups.append(masks.group_M.astype(jnp.int32))
   q_group = jnp.concatenate(groups)
   o = attention.attend(
-      jnp.concatenate(qs, axis=1), ck[i], cv[i], jnp.concatenate(limits, axis=1),
+      jnp.concatenate(qs, axis=1), ck if i is None else ck[i],
+      cv if i is None else cv[i], jnp.concatenate(limits, axis=1),
       xk, xv, q_group, None if hm_BxMxH is None else masks.group_M, impl=impl,
       kv_block=kv_block)
   o = o.reshape(o.shape[0], o.shape[1], -1)
@@ -201,6 +206,9 @@ def forward(params, cfg: ModelConfig, cache: KVCache,
   n = cfg.num_layers
   s = n - num_draft_layers if masks is not None else n
   layers = params["layers"]
+  if isinstance(layers, (list, tuple)):
+    return _forward_unrolled(params, cfg, cache, tokens_BxT, pos_BxT, draft, masks,
+                             s, attn_impl, kv_block)
   ck, cv = cache
   if tokens_BxT is None:
     B = masks.pos_BxM.shape[0]
@@ -232,3 +240,42 @@ def forward(params, cfg: ModelConfig, cache: KVCache,
 
   (h, hm, ck, cv), _ = jax.lax.scan(deep, (h, hm, ck, cv), jnp.arange(s, n))
   return (h if tokens_BxT is not None else None), hm, KVCache(ck, cv)
+
+
+def _forward_unrolled(params, cfg, cache, tokens_BxT, pos_BxT, draft, masks, s,
+                      attn_impl, kv_block):
+  """`forward` over per-layer weights and caches (see `unstack_layers`).
+
+  A Python loop instead of a scan: XLA:CPU copies each layer's slice out of
+  stacked weights before its matmuls, which doubles the bytes a decode step
+  moves; separate arrays are read in place.
+  """
+  ck, cv = list(cache.k), list(cache.v)
+  if tokens_BxT is None:
+    B = masks.pos_BxM.shape[0]
+    h = jnp.zeros((B, 0, cfg.hidden_size), params["embed"].dtype)
+    pos_BxT = jnp.zeros((B, 0), jnp.int32)
+    first = s
+  else:
+    h = embed(params, tokens_BxT)
+    first = 0
+  hm = None
+  for i in range(first, cfg.num_layers):
+    dp = None
+    if i == s and masks is not None:
+      B, M = masks.pos_BxM.shape
+      hm = jnp.broadcast_to(draft["mask"].astype(h.dtype), (B, M, cfg.hidden_size))
+    if i >= s and masks is not None:
+      dp = draft["layers"][i - s]
+    h, hm, ck[i], cv[i] = _layer_step(cfg, attn_impl, kv_block, params["layers"][i], dp,
+                                      h, hm, ck[i], cv[i], None, pos_BxT, masks)
+  return (h if tokens_BxT is not None else None), hm, KVCache(tuple(ck), tuple(cv))
+
+
+def unstack_layers(params):
+  """The same pytree with `layers` as a list of per-layer dicts (for decoding)."""
+  stacked = params["layers"]
+  if isinstance(stacked, (list, tuple)):
+    return params
+  n = len(next(iter(stacked.values())))
+  return dict(params, layers=[{k: v[i] for k, v in stacked.items()} for i in range(n)])

@@ -6,4 +6,6 @@
   train.py       `python -m flexdraft_jax train`: optimizer, loop, checkpoints
   sharding.py    mesh, logical-axis rules, multi-process start-up
   targets.py     target specs, including random tiny targets for tests
+  config.py      the shared config shape (configs/*.py fill it in), CLI flags
+  metrics_log.py metrics.csv + a TensorBoard event file (written without TensorFlow)
 """

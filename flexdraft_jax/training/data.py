@@ -210,13 +210,18 @@ class Packer:
       raise FlexDraftError("no training records")
     self.records, self.seq_len, self.K = records, seq_len, anchors
     self.bs, self.pad_id, self.seed = block_size, pad_id, seed
+    self.deep_kv = None  # optional (k, v) per record, [N, L, K, T, D] each
+
+  def tokens(self, rec: Record) -> tuple:
+    """(tokens [T] padded/truncated, real length)."""
+    ids = np.concatenate([rec.prompt_ids, rec.answer_ids])[:self.seq_len]
+    tokens = np.full((self.seq_len,), self.pad_id, np.int32)
+    tokens[:len(ids)] = ids
+    return tokens, len(ids)
 
   def example(self, rec: Record, key: Iterable[int]) -> dict:
     T, bs, K = self.seq_len, self.bs, self.K
-    ids = np.concatenate([rec.prompt_ids, rec.answer_ids])[:T]
-    length = len(ids)
-    tokens = np.full((T,), self.pad_id, np.int32)
-    tokens[:length] = ids
+    tokens, length = self.tokens(rec)
     lo = max(len(rec.prompt_ids) - 1, 0)
     hi = min(T - 1 - bs, length - 2)       # inclusive
     rng = np.random.default_rng(list(key))
@@ -231,7 +236,11 @@ class Packer:
 
   def batch(self, indices, keys) -> dict:
     rows = [self.example(self.records[i], k) for i, k in zip(indices, keys)]
-    return {k: np.stack([r[k] for r in rows]) for k in rows[0]}
+    out = {k: np.stack([r[k] for r in rows]) for k in rows[0]}
+    if self.deep_kv is not None:
+      out["deep_k"] = self.deep_kv[0][np.asarray(indices)]
+      out["deep_v"] = self.deep_kv[1][np.asarray(indices)]
+    return out
 
   def train_indices(self, step: int, batch_size: int) -> tuple:
     """Record indices and anchor keys of global rows of batch `step`: epoch-wise

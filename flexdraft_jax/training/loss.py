@@ -1,7 +1,9 @@
 """The drafter's training loss (SPEC §4) and its offline metrics.
 
 A batch holds `tokens_BxT` (prompt + answer, padded), `length_B` (real length)
-and `anchor_BxK` with `anchor_ok_BxK`. Anchor block k has `bs` masks at
+and `anchor_BxK` with `anchor_ok_BxK`; optionally `deep_k`/`deep_v`, the clean
+K/V of the deep layers computed once per sequence (`deep_kv`), which replace
+the per-step clean pass. Anchor block k has `bs` masks at
 positions a+1..a+bs that see clean 0..a (limit a) and each other (group k).
 Slot j sits at position a+1+j and, for j >= 1, is trained to predict the token
 there; slot 0 lies on the bonus token (the token at a+1), gets no loss, and the
@@ -44,6 +46,24 @@ def clean_pass(target_params, cfg: ModelConfig, tokens_BxT, *, attn_impl="xla"):
   return jax.lax.stop_gradient(h), jax.lax.stop_gradient(cache)
 
 
+def deep_kv(target_params, cfg: ModelConfig, tokens_BxT, num_draft_layers: int, *,
+            attn_impl="xla"):
+  """The clean K/V of the deep layers, `[B, L, K, T, D]` each — all the mask rows
+  ever read — so a trainer can compute them once per sequence."""
+  _, cache = clean_pass(target_params, cfg, tokens_BxT, attn_impl=attn_impl)
+  s = cfg.num_layers - num_draft_layers
+  return tuple(jnp.moveaxis(c[s:], 0, 1) for c in (cache.k, cache.v))
+
+
+def _cache_from_deep(cfg: ModelConfig, k_BxLxKxTxD, v_BxLxKxTxD):
+  """A full-depth KVCache whose shallow layers are zeros (never read by masks)."""
+  def full(x):
+    x = jnp.moveaxis(x, 1, 0)
+    pad = jnp.zeros((cfg.num_layers - x.shape[0],) + x.shape[1:], x.dtype)
+    return jnp.concatenate([pad, x], axis=0)
+  return transformer.KVCache(full(k_BxLxKxTxD), full(v_BxLxKxTxD))
+
+
 def loss_and_metrics(draft_params, target_params, cfg: ModelConfig,
                      dcfg: DrafterConfig, batch: dict, *, gamma: float = 7.0,
                      loss_type: str = "ce", attn_impl: str = "xla"):
@@ -60,7 +80,14 @@ def loss_and_metrics(draft_params, target_params, cfg: ModelConfig,
   dtype = target_params["embed"].dtype
   draft = jax.tree.map(lambda x: x.astype(dtype), draft_params)
 
-  h_clean, cache = clean_pass(target_params, cfg, tokens, attn_impl=attn_impl)
+  if "deep_k" in batch:  # clean K/V computed ahead of time (see deep_kv)
+    if loss_type == "kl":
+      raise ValueError("loss_type='kl' needs the clean pass (no precomputed K/V)")
+    h_clean = None
+    cache = _cache_from_deep(cfg, batch["deep_k"].astype(dtype),
+                             batch["deep_v"].astype(dtype))
+  else:
+    h_clean, cache = clean_pass(target_params, cfg, tokens, attn_impl=attn_impl)
   masks = mask_rows(anchor, bs)
   _, hm, _ = transformer.forward(target_params, cfg, cache, None, None,
                                  draft=draft, masks=masks,

@@ -59,9 +59,10 @@ def _write_meta(regen_dir: str, meta: dict) -> None:
   os.replace(path + ".tmp", path)
 
 
-def regenerate(config, *, limit: int = 0) -> dict:
+def regenerate(config, *, limit: int = 0, max_minutes: float = 0.0) -> dict:
   """Answers every not-yet-answered prompt of the mix; returns meta (with
-  throughput). `limit` > 0 stops after that many new prompts."""
+  throughput). `limit` > 0 stops after that many new prompts, `max_minutes`
+  > 0 starts no new batch after that long; the dataset is built either way."""
   dc = config.data
   regen_dir = os.path.abspath(dc.regen_dir)
   target = targets.load(config.target, config.dtype)
@@ -84,8 +85,11 @@ def regenerate(config, *, limit: int = 0) -> dict:
     todo.append((p, ids))
   if limit:
     todo = todo[:limit]
-  # Similar lengths together: less padding, fewer compiled shapes.
-  todo.sort(key=lambda x: (len(x[1]), x[0].uid))
+  # Similar lengths together (less padding) within windows of 8 batches, so a
+  # run stopped early still holds a sample of the whole mix.
+  window = 8 * dc.batch_size
+  todo = [x for w in range(0, len(todo), window)
+          for x in sorted(todo[w:w + window], key=lambda x: (len(x[1]), x[0].uid))]
   print(f"regenerate: {len(done)} answered, {len(todo)} to answer, {skipped} "
         f"prompts over {dc.max_prompt_tokens} tokens skipped; target {target.name}",
         flush=True)
@@ -94,12 +98,18 @@ def regenerate(config, *, limit: int = 0) -> dict:
   shard = data.next_shard_index(regen_dir)
   new_tokens, gen_seconds = 0, 0.0
   eos = set(int(t) for t in target.config.eos_token_ids)
+  # One cache size for every batch: the decode loop compiles once per batch size.
+  max_len = -(-(dc.max_prompt_tokens + dc.max_new_tokens + 64) // 64) * 64
   bar = tqdm.tqdm(total=len(todo), unit="prompt", dynamic_ncols=True)
+  t_start = time.perf_counter()
   for start in range(0, len(todo), dc.batch_size):
+    if max_minutes and time.perf_counter() - t_start > 60 * max_minutes:
+      bar.write(f"regenerate: stopping after {max_minutes} minutes (resumable)")
+      break
     chunk = todo[start:start + dc.batch_size]
     t0 = time.perf_counter()
     res = generate(target, [ids for _, ids in chunk], max_new_tokens=dc.max_new_tokens,
-                   temperature=0.0, batch_size=len(chunk))
+                   temperature=0.0, batch_size=len(chunk), max_len=max_len)
     dt = time.perf_counter() - t0
     records = []
     for (p, ids), ans in zip(chunk, res.token_ids):
@@ -130,12 +140,15 @@ def run(argv):
   define_flags(argv, workdir=False)
   if "limit" not in flags.FLAGS:
     flags.DEFINE_integer("limit", 0, "answer at most this many new prompts (0: all)")
+    flags.DEFINE_float("max_minutes", 0.0, "start no new batch after this many "
+                       "minutes (0: no limit); rerun to continue")
 
   def main(args):
     if len(args) > 1:
       raise FlexDraftError(f"unexpected arguments: {' '.join(args[1:])}")
     if flags.FLAGS.config is None:
       raise FlexDraftError("--config is required (e.g. configs/smollm2_135m.py)")
-    regenerate(flags.FLAGS.config, limit=flags.FLAGS.limit)
+    regenerate(flags.FLAGS.config, limit=flags.FLAGS.limit,
+               max_minutes=flags.FLAGS.max_minutes)
 
   cli_util.run_main(main, argv)

@@ -49,14 +49,18 @@ LOGICAL_AXES = {
 def maybe_initialize_distributed(coordinator: str = "", num_processes: int = 1,
                                  process_id: int = 0) -> None:
   """`jax.distributed.initialize` when asked by arguments or the environment
-  (FLEXDRAFT_COORDINATOR / FLEXDRAFT_NUM_PROCESSES / FLEXDRAFT_PROCESS_ID)."""
+  (FLEXDRAFT_COORDINATOR / FLEXDRAFT_NUM_PROCESSES / FLEXDRAFT_PROCESS_ID).
+  coordinator="auto" lets JAX detect the cluster (TPU pods, SLURM, ...)."""
   env = os.environ
   coordinator = coordinator or env.get("FLEXDRAFT_COORDINATOR", "")
   num_processes = int(env.get("FLEXDRAFT_NUM_PROCESSES", num_processes))
   process_id = int(env.get("FLEXDRAFT_PROCESS_ID", process_id))
-  if num_processes <= 1 or not coordinator:
-    return
   if jax.distributed.is_initialized():
+    return
+  if coordinator == "auto":
+    jax.distributed.initialize()
+    return
+  if num_processes <= 1 or not coordinator:
     return
   jax.distributed.initialize(coordinator_address=coordinator,
                              num_processes=num_processes, process_id=process_id)

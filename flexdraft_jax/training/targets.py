@@ -13,7 +13,6 @@ import hashlib
 import json
 from typing import Any, NamedTuple
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -118,7 +117,3 @@ def load(spec: str, dtype="float32"):
   from flexdraft_jax.model import loading  # heavy (tokenizers, gguf): only when needed
   return loading.load_target(spec, dtype)
 
-
-def host_params(tree):
-  """A pytree of numpy arrays (works on single-process jax arrays)."""
-  return jax.tree.map(np.asarray, tree)

@@ -16,6 +16,7 @@ anchors depend only on (seed, step). WORKDIR gets:
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import os
 import time
@@ -113,7 +114,7 @@ def _mean_metrics(ms: list) -> dict:
   return {"eval_tau": tau, "eval_loss": float(np.mean([m["loss"] for m in ms]))}
 
 
-def _setup(config):
+def _setup(config, workdir=None):
   """Target, data, mesh, initial state and jitted steps."""
   tc = config.train
   target = targets.load(config.target, config.dtype)
@@ -146,12 +147,63 @@ def _setup(config):
   state = jax.device_put(TrainState(jnp.int32(0), params, opt_state), state_sh)
   shardings_ = {"state": state_sh, "target": target_sh, "replicated": rep,
                 "batch": sharding.batch_sharding(mesh)}
+  if tc.precompute_kv:
+    for name, p in (("train", packers[0]), ("eval", packers[1])):
+      if p is not None:
+        compute = functools.partial(precompute_deep_kv, p, target_params, cfg, dcfg,
+                                    tc, rep, name)
+        p.deep_kv = _cached_deep_kv(workdir, name, target.fingerprint, p, dcfg, compute)
   steps = make_steps(cfg, dcfg, tx, schedule, tc, shardings_)
   # Keep only what exports need; the params now live in `target_params`.
   ref = types.SimpleNamespace(config=cfg, name=target.name, fingerprint=target.fingerprint)
   info = {"target": ref, "records": len(records), "train_records": len(train_recs),
           "eval_records": len(eval_recs)}
   return state, target_params, packers, steps, mesh, info
+
+
+def precompute_deep_kv(packer, target_params, cfg, dcfg, tc, replicated, name="train"):
+  """The deep layers' clean K/V of every record, once, in fixed batches (so a
+  resumed run computes the same values): replaces the per-step clean pass."""
+  fn = jax.jit(lambda tp, toks: loss_lib.deep_kv(
+      tp, cfg, toks, dcfg.num_layers, attn_impl=tc.attn_impl),
+               out_shardings=(replicated, replicated))
+  n, bsz = len(packer.records), tc.batch_size
+  ks, vs = [], []
+  for start in tqdm.trange(0, n, bsz, desc=f"clean K/V ({name})",
+                           disable=jax.process_index() != 0, dynamic_ncols=True):
+    idx = [min(start + b, n - 1) for b in range(bsz)]
+    toks = np.stack([packer.tokens(packer.records[i])[0] for i in idx])
+    k, v = fn(target_params, sharding.put_global(toks, replicated))
+    take = min(bsz, n - start)
+    ks.append(np.asarray(k.addressable_data(0))[:take])
+    vs.append(np.asarray(v.addressable_data(0))[:take])
+  return np.concatenate(ks), np.concatenate(vs)
+
+
+def _cached_deep_kv(workdir, name, fingerprint, packer, dcfg, compute):
+  """`compute()`, saved under WORKDIR/deep_kv/ and reused by a resumed run
+  while the target, the records and the shapes are the same."""
+  if not workdir:
+    return compute()
+  d = os.path.join(workdir, "deep_kv")
+  key = {"fingerprint": fingerprint, "seq_len": packer.seq_len,
+         "num_layers": dcfg.num_layers,
+         "uids": hashlib.sha256("\n".join(r.uid for r in packer.records).encode()
+                                ).hexdigest()}
+  key_path = os.path.join(d, f"{name}.json")
+  if os.path.exists(key_path):
+    with open(key_path) as f:
+      if json.load(f) == key:
+        return tuple(np.load(os.path.join(d, f"{name}_{c}.npy")) for c in "kv")
+  kv = compute()
+  if jax.process_index() == 0:
+    os.makedirs(d, exist_ok=True)
+    for c, x in zip("kv", kv):
+      np.save(os.path.join(d, f"{name}_{c}.tmp.npy"), x)
+      os.replace(os.path.join(d, f"{name}_{c}.tmp.npy"), os.path.join(d, f"{name}_{c}.npy"))
+    with open(key_path, "w") as f:
+      json.dump(key, f)
+  return kv
 
 
 def _host_drafter(config, state: TrainState, fingerprint: str) -> Drafter:
@@ -164,7 +216,7 @@ def train(config, workdir: str) -> TrainResult:
   tc = config.train
   is_main = jax.process_index() == 0
   state, target_params, (packer, eval_packer), (train_step, eval_step), mesh, info = \
-      _setup(config)
+      _setup(config, workdir)
   target = info.pop("target")
   bs = config.drafter.block_size
   mngr = _checkpoint_manager(workdir, tc)
