@@ -90,9 +90,9 @@ def test_no_recompilation_after_warmup(target):
   for mode, theta in MODES:
     fd.generate(target, prompts, mode=mode, threshold=theta, **kw)
   warm = engine.run_chunk._cache_size()
-  for mode, theta in MODES:  # other θ, stop tokens, lengths: traced, not static
-    fd.generate(target, prompts, mode=mode, threshold=theta / 2, **dict(kw, stop=[5],
-                max_new_tokens=150))
+  for mode, theta in MODES:  # other θ, stop tokens, prompts: traced, not static
+    fd.generate(target, prompts_for(2, seed=2), mode=mode, threshold=theta / 2,
+                **dict(kw, stop=[5]))
   assert engine.run_chunk._cache_size() == warm
   # one compiled chunk per (mode, group bucket[, draft refresh]), not per token
   buckets = len(engine.group_buckets(4, engine.SpecOptions()))
