@@ -7,5 +7,5 @@
   sharding.py    mesh, logical-axis rules, multi-process start-up
   targets.py     target specs, including random tiny targets for tests
   config.py      the shared config shape (configs/*.py fill it in), CLI flags
-  metrics_log.py metrics.csv + a TensorBoard event file (written without TensorFlow)
+  metrics_log.py metrics.csv + TensorBoard scalars (tensorboardX, no TensorFlow)
 """

@@ -64,13 +64,14 @@ def _cache_from_deep(cfg: ModelConfig, k_BxLxKxTxD, v_BxLxKxTxD):
   return transformer.KVCache(full(k_BxLxKxTxD), full(v_BxLxKxTxD))
 
 
-def loss_and_metrics(draft_params, target_params, cfg: ModelConfig,
-                     dcfg: DrafterConfig, batch: dict, *, gamma: float = 7.0,
-                     loss_type: str = "ce", attn_impl: str = "xla"):
-  """Weighted per-slot loss over all valid (anchor, slot) pairs, and metrics.
+def loss_sums(draft_params, target_params, cfg: ModelConfig, dcfg: DrafterConfig,
+              batch: dict, *, gamma: float = 7.0, loss_type: str = "ce",
+              attn_impl: str = "xla"):
+  """Additive statistics of a batch, so data-parallel shards can be summed.
 
-  Returns (loss, metrics) with metrics: loss, acc_S (per slot, S = bs), tau
-  (offline acceptance: 1 + leading slots whose argmax is right), weight sums.
+  Returns (loss_num, sums): loss_num = Σ weight·loss over (anchor, slot);
+  sums = {weight, loss_num, correct_S, n_slot_S, tau_sum, n_anchor}.
+  `finalize(sums)` turns them into the loss and metrics.
   """
   bs = dcfg.block_size
   tokens, length = batch["tokens_BxT"], batch["length_B"]
@@ -114,25 +115,45 @@ def loss_and_metrics(draft_params, target_params, cfg: ModelConfig,
   else:
     raise ValueError(f"loss_type must be ce or kl, got {loss_type!r}")
   w_BxKxS = valid_BxKxS * slot_weights(bs, gamma)
-  loss = jnp.sum(per_BxKxS * w_BxKxS) / jnp.maximum(jnp.sum(w_BxKxS), 1e-9)
-  metrics = offline_metrics(logits_BxKxSxV, label_BxKxS, valid_BxKxS,
-                            anchor_ok)
-  metrics["loss"] = loss
-  return loss, metrics
+  loss_num = jnp.sum(per_BxKxS * w_BxKxS)
+  sums = offline_sums(logits_BxKxSxV, label_BxKxS, valid_BxKxS, anchor_ok)
+  sums.update(weight=jnp.sum(w_BxKxS), loss_num=jax.lax.stop_gradient(loss_num))
+  return loss_num, sums
 
 
-def offline_metrics(logits_BxKxSxV, label_BxKxS, valid_BxKxS, anchor_ok_BxK):
-  """Per-slot accuracy and offline τ over valid anchors.
+def offline_sums(logits_BxKxSxV, label_BxKxS, valid_BxKxS, anchor_ok_BxK) -> dict:
+  """Counts behind per-slot accuracy and offline τ.
 
   τ at an anchor = 1 + number of leading slots 1..bs-1 whose argmax equals the
   true continuation (a slot past the sequence end stops the run).
   """
   correct = (jnp.argmax(logits_BxKxSxV, -1) == label_BxKxS) & valid_BxKxS
-  n_slot = jnp.sum(valid_BxKxS, axis=(0, 1))
-  acc_S = jnp.sum(correct, axis=(0, 1)) / jnp.maximum(n_slot, 1)
   run = jnp.cumprod(correct[:, :, 1:].astype(jnp.int32), axis=-1)
   tau_BxK = 1.0 + jnp.sum(run, axis=-1)
-  n_anchor = jnp.sum(anchor_ok_BxK)
-  tau = jnp.sum(tau_BxK * anchor_ok_BxK) / jnp.maximum(n_anchor, 1)
-  return {"acc_S": acc_S, "tau": tau, "n_anchor": n_anchor,
-          "n_slot": jnp.sum(n_slot)}
+  return {"correct_S": jnp.sum(correct, axis=(0, 1)).astype(jnp.float32),
+          "n_slot_S": jnp.sum(valid_BxKxS, axis=(0, 1)).astype(jnp.float32),
+          "tau_sum": jnp.sum(tau_BxK * anchor_ok_BxK),
+          "n_anchor": jnp.sum(anchor_ok_BxK).astype(jnp.float32)}
+
+
+def finalize(sums: dict) -> dict:
+  """Summed statistics -> loss, acc_S (per slot; slot 0 is 0), tau, counts."""
+  return {"loss": sums["loss_num"] / jnp.maximum(sums["weight"], 1e-9),
+          "acc_S": sums["correct_S"] / jnp.maximum(sums["n_slot_S"], 1),
+          "tau": sums["tau_sum"] / jnp.maximum(sums["n_anchor"], 1),
+          "n_anchor": sums["n_anchor"], "n_slot": jnp.sum(sums["n_slot_S"])}
+
+
+def offline_metrics(logits_BxKxSxV, label_BxKxS, valid_BxKxS, anchor_ok_BxK) -> dict:
+  """Per-slot accuracy and offline τ of one batch (see offline_sums)."""
+  sums = offline_sums(logits_BxKxSxV, label_BxKxS, valid_BxKxS, anchor_ok_BxK)
+  return finalize(dict(sums, loss_num=0.0, weight=1.0))
+
+
+def loss_and_metrics(draft_params, target_params, cfg: ModelConfig,
+                     dcfg: DrafterConfig, batch: dict, **kw):
+  """The weighted per-slot loss over all valid (anchor, slot) pairs, and metrics
+  (loss, acc_S, tau, n_anchor, n_slot)."""
+  loss_num, sums = loss_sums(draft_params, target_params, cfg, dcfg, batch, **kw)
+  metrics = finalize(sums)
+  return loss_num / jnp.maximum(sums["weight"], 1e-9), metrics

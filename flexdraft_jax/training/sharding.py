@@ -66,6 +66,14 @@ def maybe_initialize_distributed(coordinator: str = "", num_processes: int = 1,
                              num_processes=num_processes, process_id=process_id)
 
 
+def barrier(name: str, timeout_s: int = 3600) -> None:
+  """Waits for every process (no-op with one); needs no compiled collective."""
+  if jax.process_count() == 1:
+    return
+  from jax._src import distributed  # the coordination client has no public barrier
+  distributed.global_state.client.wait_at_barrier(name, timeout_in_ms=timeout_s * 1000)
+
+
 def make_mesh(data: int = -1, model: int = 1) -> Mesh:
   """A (data, model) mesh over all devices; data=-1 takes what model leaves."""
   n = jax.device_count()

@@ -68,23 +68,44 @@ def drafter_config(config) -> DrafterConfig:
   return DrafterConfig(**dict(config.drafter))
 
 
-def make_steps(cfg, dcfg, tx, schedule, tc, shardings: dict):
-  """Jitted (train_step, eval_step) with explicit shardings."""
+def make_steps(cfg, dcfg, tx, schedule, tc, shardings: dict, mesh):
+  """Jitted (train_step, eval_step) with explicit shardings.
+
+  With a pure data-parallel mesh (model axis 1) the per-shard work runs under
+  `shard_map` and one all-reduce sums gradients and statistics: a single
+  collective per step (GSPMD's extra gathers can deadlock emulated CPU
+  devices). With a model axis, GSPMD partitions the whole step.
+  """
   kw = dict(gamma=tc.gamma, loss_type=tc.loss, attn_impl=tc.attn_impl)
 
+  def grads_and_sums(params, target_params, batch):
+    f = lambda p: loss_lib.loss_sums(p, target_params, cfg, dcfg, batch, **kw)
+    (_, sums), grads = jax.value_and_grad(f, has_aux=True)(params)
+    sums["tokens"] = jnp.sum(batch["length_B"]).astype(jnp.float32)
+    return grads, sums
+
+  def eval_sums(params, target_params, batch):
+    return loss_lib.loss_sums(params, target_params, cfg, dcfg, batch, **kw)[1]
+
+  if mesh.shape["model"] == 1:
+    def summed(fn):
+      local = lambda *a: jax.lax.psum(fn(*a), "data")
+      return jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), P("data")),
+                           out_specs=P(), check_vma=False)
+    grads_and_sums, eval_sums = summed(grads_and_sums), summed(eval_sums)
+
   def train_step(state: TrainState, target_params, batch):
-    def f(p):
-      return loss_lib.loss_and_metrics(p, target_params, cfg, dcfg, batch, **kw)
-    (_, m), grads = jax.value_and_grad(f, has_aux=True)(state.params)
+    grads, sums = grads_and_sums(state.params, target_params, batch)
+    grads = jax.tree.map(lambda g: g / jnp.maximum(sums["weight"], 1e-9), grads)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
-    m["grad_norm"] = optax.global_norm(grads)
-    m["lr"] = schedule(state.step)
-    m["tokens"] = jnp.sum(batch["length_B"])
+    m = loss_lib.finalize(sums)
+    m.update(grad_norm=optax.tree.norm(grads), lr=schedule(state.step),
+             tokens=sums["tokens"])
     return TrainState(state.step + 1, params, opt_state), m
 
   def eval_step(params, target_params, batch):
-    return loss_lib.loss_and_metrics(params, target_params, cfg, dcfg, batch, **kw)[1]
+    return loss_lib.finalize(eval_sums(params, target_params, batch))
 
   rep = shardings["replicated"]
   train = jax.jit(train_step, donate_argnums=(0,),
@@ -153,7 +174,7 @@ def _setup(config, workdir=None):
         compute = functools.partial(precompute_deep_kv, p, target_params, cfg, dcfg,
                                     tc, rep, name)
         p.deep_kv = _cached_deep_kv(workdir, name, target.fingerprint, p, dcfg, compute)
-  steps = make_steps(cfg, dcfg, tx, schedule, tc, shardings_)
+  steps = make_steps(cfg, dcfg, tx, schedule, tc, shardings_, mesh)
   # Keep only what exports need; the params now live in `target_params`.
   ref = types.SimpleNamespace(config=cfg, name=target.name, fingerprint=target.fingerprint)
   info = {"target": ref, "records": len(records), "train_records": len(train_recs),
@@ -210,38 +231,67 @@ def _host_drafter(config, state: TrainState, fingerprint: str) -> Drafter:
   return Drafter(drafter_config(config), sharding.to_host(state.params), fingerprint)
 
 
-def train(config, workdir: str) -> TrainResult:
-  """Runs (or resumes) training in `workdir`."""
-  sharding.maybe_initialize_distributed(**dict(config.distributed))
-  tc = config.train
-  is_main = jax.process_index() == 0
-  state, target_params, (packer, eval_packer), (train_step, eval_step), mesh, info = \
-      _setup(config, workdir)
-  target = info.pop("target")
-  bs = config.drafter.block_size
-  mngr = _checkpoint_manager(workdir, tc)
+def _restore(mngr, state):
+  """(start step, state, meta) from the latest checkpoint, if any."""
   meta = {"tokens_seen": 0, "best_tau": -1.0, "best_step": -1}
   start = mngr.latest_step() or 0
   if start:
     restored = mngr.restore(start, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(_abstract(state)),
-        meta=ocp.args.JsonRestore()))
+        state=ocp.args.StandardRestore(_abstract(state)), meta=ocp.args.JsonRestore()))
     state, meta = restored.state, dict(restored.meta)
+  return start, state, meta
+
+
+def _compile_ahead(steps, state, target_params, packers, mesh, tc, start):
+  """Multi-process: compile before the first collective, then meet — compile
+  times differ between processes by more than the collectives' set-up timeout."""
+  (train_step, eval_step), (packer, eval_packer) = steps, packers
+  first = sharding.put_batch(packer.train_batch(start, tc.batch_size,
+                                                sharding.local_rows(tc.batch_size)),
+                             mesh, tc.batch_size)
+  train_step = train_step.lower(state, target_params, first).compile()
+  if eval_packer is not None and tc.eval_every > 0:
+    eb = eval_packer.eval_batches(tc.eval_batch_size,
+                                  sharding.local_rows(tc.eval_batch_size))[0]
+    eval_step = eval_step.lower(state.params, target_params, sharding.put_batch(
+        eb, mesh, tc.eval_batch_size)).compile()
+  sharding.barrier("flexdraft_train_compiled")
+  return train_step, eval_step
+
+
+def _train_row(m, meta, bs, rate) -> dict:
+  return {"loss": float(m["loss"]), "tau": float(m["tau"]), "lr": float(m["lr"]),
+          "grad_norm": float(m["grad_norm"]), "tokens_seen": meta["tokens_seen"],
+          "steps_per_s": rate, **{f"acc_{j}": float(m["acc_S"][j]) for j in range(1, bs)}}
+
+
+def train(config, workdir: str) -> TrainResult:
+  """Runs (or resumes) training in `workdir`."""
+  sharding.maybe_initialize_distributed(**dict(config.distributed))
+  tc, bs = config.train, config.drafter.block_size
+  is_main = jax.process_index() == 0
+  state, target_params, packers, steps, mesh, info = _setup(config, workdir)
+  (packer, eval_packer), target = packers, info.pop("target")
+  mngr = _checkpoint_manager(workdir, tc)
+  start, state, meta = _restore(mngr, state)
+  end = min(tc.stop_at_step, tc.num_steps) if tc.stop_at_step else tc.num_steps
   columns = (["step", "loss", "tau", "lr", "grad_norm", "tokens_seen", "steps_per_s"]
              + [f"acc_{j}" for j in range(1, bs)] + ["eval_tau", "eval_loss"])
   log = MetricsLog(workdir, columns, enabled=is_main, resume_step=start)
-  rows = sharding.local_rows(tc.batch_size)
-  end = min(tc.stop_at_step, tc.num_steps) if tc.stop_at_step else tc.num_steps
   if is_main:
     print(f"train: {sharding.describe(mesh)}; {info['train_records']} train / "
           f"{info['eval_records']} eval sequences; steps {start}..{end}", flush=True)
-  training_record = lambda: {
+  record = lambda: {
       "target": target.name, "regen_dir": os.path.abspath(config.data.regen_dir),
       "mix": dict(config.data.mix), **info, "steps": int(sharding.scalar(state.step)),
       "tokens_seen": meta["tokens_seen"], "best_eval_tau": meta["best_tau"],
       "best_step": meta["best_step"], "config": config.name}
-
   evaluating = eval_packer is not None and tc.eval_every > 0
+  if jax.process_count() > 1 and start < end:
+    steps = _compile_ahead(steps, state, target_params, packers, mesh, tc, start)
+  train_step, eval_step = steps
+  rows = sharding.local_rows(tc.batch_size)
+
   bar = tqdm.tqdm(total=end, initial=start, disable=not is_main, dynamic_ncols=True)
   t_last, s_last = time.perf_counter(), start
   for step in range(start, end):
@@ -250,27 +300,22 @@ def train(config, workdir: str) -> TrainResult:
     state, m = train_step(state, target_params, batch)
     m = jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), m)
     meta["tokens_seen"] += int(m["tokens"])
-    done = step + 1
-    row = None
+    done, row = step + 1, {}
     if done % tc.log_every == 0 or done == end:
       now = time.perf_counter()
-      rate = (done - s_last) / max(now - t_last, 1e-9)
+      row = _train_row(m, meta, bs, (done - s_last) / max(now - t_last, 1e-9))
       t_last, s_last = now, done
-      row = {"loss": float(m["loss"]), "tau": float(m["tau"]), "lr": float(m["lr"]),
-             "grad_norm": float(m["grad_norm"]), "tokens_seen": meta["tokens_seen"],
-             "steps_per_s": rate,
-             **{f"acc_{j}": float(m["acc_S"][j]) for j in range(1, bs)}}
       bar.set_postfix(loss=f"{row['loss']:.3f}", tau=f"{row['tau']:.2f}")
     if evaluating and (done % tc.eval_every == 0 or done == end):
       ev = _evaluate(eval_step, state.params, target_params, eval_packer, mesh, tc)
-      row = dict(row or {}, **ev)
+      row.update(ev)
       if ev["eval_tau"] > meta["best_tau"]:
         meta["best_tau"], meta["best_step"] = ev["eval_tau"], done
         _export(os.path.join(workdir, "best_drafter"), config, state, target,
-                training_record(), is_main)
-      bar.write(f"step {done}: eval tau {ev['eval_tau']:.3f} loss "
-                f"{ev['eval_loss']:.3f} (best {meta['best_tau']:.3f} @ {meta['best_step']})")
-    if row is not None:
+                record(), is_main)
+      bar.write(f"step {done}: eval tau {ev['eval_tau']:.3f} loss {ev['eval_loss']:.3f} "
+                f"(best {meta['best_tau']:.3f} @ {meta['best_step']})")
+    if row:
       log.write(done, row)
     if done % tc.ckpt_every == 0 or done == end:
       mngr.save(done, args=ocp.args.Composite(
@@ -280,8 +325,9 @@ def train(config, workdir: str) -> TrainResult:
   mngr.wait_until_finished()
   mngr.close()
   log.close()
+
   final = _host_drafter(config, state, target.fingerprint)
-  summary = training_record()
+  summary = record()
   if is_main:
     drafter_ckpt.save_drafter(os.path.join(workdir, "final_drafter"), final, target,
                               training=summary)

@@ -1,0 +1,392 @@
+"""Training pipeline on a random tiny target (CPU): data, loss, steps, resume, sharding."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import tiny  # noqa: E402
+
+from flexdraft_jax.drafter import checkpoint as drafter_ckpt  # noqa: E402
+from flexdraft_jax.drafter.model import DrafterConfig, init_draft_params  # noqa: E402
+from flexdraft_jax.model import transformer  # noqa: E402
+from flexdraft_jax.training import data, loss as loss_lib, sharding, train  # noqa: E402
+
+# Compiled steps are shared between the runs of this file (and its subprocesses).
+XLA_CACHE = os.environ.get("FLEXDRAFT_TEST_XLA_CACHE", os.path.join(
+    tempfile.gettempdir(), f"flexdraft_test_xla_cache_{os.getuid()}"))
+jax.config.update("jax_compilation_cache_dir", XLA_CACHE)
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+STEPS = 24
+
+
+@pytest.fixture(scope="module")
+def target():
+  return tiny.tiny_target()
+
+
+@pytest.fixture(scope="module")
+def regen(tmp_path_factory, target):
+  d = str(tmp_path_factory.mktemp("regen"))
+  return d, tiny.write_fake_regen(d, target, n=24)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, regen):
+  """An uninterrupted run: STEPS steps, checkpoints every 4, eval every 6."""
+  workdir = str(tmp_path_factory.mktemp("ref"))
+  cfg = tiny.tiny_config(regen[0], num_steps=STEPS, ckpt_every=4, eval_every=6)
+  return train.train(cfg, workdir), workdir
+
+
+def _flat(tree):
+  return {k: np.asarray(v) for k, v in drafter_ckpt.flatten(tree).items()}
+
+
+def _read_csv(path):
+  import csv
+  with open(path) as f:
+    return list(csv.DictReader(f))
+
+
+# ------------------------------------------------------------------ data ----
+
+def test_tfds_dataset_round_trips(regen):
+  regen_dir, recs = regen
+  got = data.load_records(regen_dir)
+  want = sorted(recs, key=lambda r: r["uid"])
+  assert [r.uid for r in got] == [r["uid"] for r in want]
+  for g, w in zip(got, want):
+    assert g.source == w["source"]
+    np.testing.assert_array_equal(g.prompt_ids, w["prompt_ids"])
+    np.testing.assert_array_equal(g.answer_ids, w["answer_ids"])
+  # a plain tfds reader sees the same dataset
+  import tensorflow_datasets as tfds
+  path = os.path.join(data.tfds_dir(regen_dir), data.DATASET_NAME, "1.0.0")
+  src = tfds.builder_from_directory(path).as_data_source()["train"]
+  assert len(src) == len(recs)
+
+
+def test_packer_is_static_deterministic_and_in_range(regen):
+  recs = data.load_records(regen[0])
+  T, K, bs = 40, 3, 4
+  p = data.Packer(recs, seq_len=T, anchors=K, block_size=bs, pad_id=256, seed=1)
+  b = p.train_batch(5, 6)
+  assert b["tokens_BxT"].shape == (6, T) and b["anchor_BxK"].shape == (6, K)
+  idx, _ = p.train_indices(5, 6)
+  for row, i in enumerate(idx):
+    r = recs[i]
+    n = min(len(r.prompt_ids) + len(r.answer_ids), T)
+    assert b["length_B"][row] == n
+    a = b["anchor_BxK"][row][b["anchor_ok_BxK"][row]]
+    assert np.all(a >= len(r.prompt_ids) - 1)
+    assert np.all(a + bs <= T - 1) and np.all(a + 1 < n)
+  again = p.train_batch(5, 6)
+  for k in b:
+    np.testing.assert_array_equal(b[k], again[k])
+  assert not np.array_equal(p.train_batch(6, 6)["tokens_BxT"], b["tokens_BxT"])
+  part = p.train_batch(5, 6, rows=(2, 4))  # a process's slice of the same batch
+  np.testing.assert_array_equal(part["anchor_BxK"], b["anchor_BxK"][2:4])
+
+
+def test_prompt_sources_exclude_eval_splits():
+  cfg = tiny.tiny_config("/unused").data
+  mbpp = data.read_source("mbpp", cfg.paths.mbpp)
+  ids = [int(p.uid.split(":")[1]) for p in mbpp]
+  assert min(ids) == 511 and max(ids) == 974 and len(ids) == 464
+  prompts = data.load_prompts(cfg)
+  assert len(prompts) == sum(dict(cfg.mix).values())
+  assert len({p.uid for p in prompts}) == len(prompts)
+
+
+# ------------------------------------------------------------------ loss ----
+
+def test_mask_rows_layout():
+  m = loss_lib.mask_rows(jnp.array([[3, 10]]), 4)
+  np.testing.assert_array_equal(m.pos_BxM, [[4, 5, 6, 7, 11, 12, 13, 14]])
+  np.testing.assert_array_equal(m.limit_BxM, [[3, 3, 3, 3, 10, 10, 10, 10]])
+  np.testing.assert_array_equal(m.group_M, [0, 0, 0, 0, 1, 1, 1, 1])
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-qwen3", "tiny-qwen2"])
+def test_dual_path_clean_rows_equal_target(name):
+  t = tiny.tiny_target(name, seed=3)
+  cfg, dcfg = t.config, DrafterConfig(num_layers=2, block_size=4, calib_rank=8)
+  draft = init_draft_params(t.params, cfg, dcfg, jax.random.PRNGKey(0))
+  draft["mask"] = draft["mask"] * 50.0  # make mask rows matter
+  tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 12), 0, cfg.vocab_size)
+  pos = jnp.broadcast_to(jnp.arange(12), (2, 12))
+  anchors = jnp.array([[2, 6], [0, 7]])
+  masks = loss_lib.mask_rows(anchors, dcfg.block_size)
+  zeros = transformer.KVCache.zeros(cfg, 2, 12, jnp.float32)
+  h_ref, _, cache_ref = transformer.forward(t.params, cfg, zeros, tokens, pos)
+  h, hm, cache = transformer.forward(t.params, cfg, zeros, tokens, pos, draft=draft,
+                                     masks=masks, num_draft_layers=2)
+  np.testing.assert_array_equal(h, h_ref)         # bit-identical clean rows
+  np.testing.assert_array_equal(cache.k, cache_ref.k)
+  # training's deep-only pass against the clean cache = the joint pass
+  h_clean, cache2 = loss_lib.clean_pass(t.params, cfg, tokens)
+  np.testing.assert_array_equal(h_clean, h_ref)
+  _, hm2, _ = transformer.forward(t.params, cfg, cache2, None, None, draft=draft,
+                                  masks=masks, num_draft_layers=2)
+  np.testing.assert_allclose(hm2, hm, atol=1e-5, rtol=1e-5)
+
+
+def test_precomputed_deep_kv_gives_the_same_loss(regen, target):
+  dcfg = DrafterConfig(num_layers=2, block_size=4, calib_rank=8)
+  packer = data.Packer(data.load_records(regen[0]), seq_len=40, anchors=2,
+                       block_size=4, pad_id=256, seed=0)
+  batch = packer.train_batch(0, 3)
+  draft = init_draft_params(target.params, target.config, dcfg, jax.random.PRNGKey(0))
+  f = jax.jit(lambda b: loss_lib.loss_and_metrics(draft, target.params, target.config,
+                                                  dcfg, b))
+  k, v = loss_lib.deep_kv(target.params, target.config, batch["tokens_BxT"], 2)
+  assert k.shape == (3, 2, target.config.num_kv_heads, 40, target.config.head_dim)
+  loss, m = f(batch)
+  loss2, m2 = f(dict(batch, deep_k=k, deep_v=v))
+  np.testing.assert_allclose(loss2, loss, rtol=1e-6)
+  assert float(m2["tau"]) == float(m["tau"])
+
+
+def test_loss_weights_and_offline_tau():
+  w = loss_lib.slot_weights(4, 2.0)
+  np.testing.assert_allclose(w, [0.0, 1.0, np.exp(-0.5), np.exp(-1.0)], rtol=1e-6)
+  V = 5
+  labels = jnp.array([[[0, 1, 2, 3], [0, 1, 2, 3]]])
+  pred = jnp.array([[[4, 1, 2, 0], [4, 0, 2, 3]]])  # anchor 0: 2 right, anchor 1: 0
+  logits = jax.nn.one_hot(pred, V)
+  valid = jnp.ones((1, 2, 4), bool).at[..., 0].set(False)
+  m = loss_lib.offline_metrics(logits, labels, valid, jnp.ones((1, 2), bool))
+  assert float(m["tau"]) == pytest.approx((3 + 1) / 2)
+  np.testing.assert_allclose(m["acc_S"][1:], [0.5, 1.0, 0.5])
+
+
+# ----------------------------------------------------------------- steps ----
+
+def test_only_drafter_is_trained_and_target_is_bit_identical(regen, tmp_path):
+  # (with the clean K/V precomputed once per sequence: the CPU configs' path)
+  cfg = tiny.tiny_config(regen[0], num_steps=STEPS, precompute_kv=True)
+  state, target_params, (packer, _), (train_step, _), mesh, _ = train._setup(
+      cfg, str(tmp_path))
+  assert packer.deep_kv[0].shape[0] == len(packer.records)
+  assert sorted(os.listdir(tmp_path / "deep_kv"))[:3] == ["eval.json", "eval_k.npy",
+                                                          "eval_v.npy"]
+  before = jax.tree.map(np.array, target_params)
+  draft0 = _flat(state.params)
+  # the optimizer state mirrors the draft pytree only
+  n_draft = sum(x.size for x in jax.tree.leaves(state.params))
+  n_opt = sum(x.size for x in jax.tree.leaves(state.opt_state))
+  assert n_opt <= 2 * n_draft + 8
+  for leaf in jax.tree.leaves(state.opt_state):
+    assert leaf.shape != target_params["embed"].shape
+  for step in range(3):
+    batch = sharding.put_batch(packer.train_batch(step, 8), mesh, 8)
+    state, m = train_step(state, target_params, batch)
+  jax.tree.map(np.testing.assert_array_equal, before,
+               jax.tree.map(np.asarray, target_params))
+  after = _flat(state.params)
+  assert all(not np.array_equal(after[k], draft0[k]) for k in after), \
+      "every draft leaf should move"
+  assert np.isfinite(float(m["loss"]))
+
+
+def test_loss_falls(reference):
+  rows = _read_csv(os.path.join(reference[1], "metrics.csv"))
+  losses = [float(r["loss"]) for r in rows if r["loss"]]
+  assert len(losses) == STEPS
+  assert np.mean(losses[-4:]) < 0.5 * np.mean(losses[:2]), losses
+  taus = [float(r["eval_tau"]) for r in rows if r["eval_tau"]]
+  assert len(taus) == STEPS // 6 and max(taus) >= taus[0]
+
+
+def test_best_and_final_drafters_exported(reference, target):
+  result, workdir = reference
+  best = drafter_ckpt.load_drafter(os.path.join(workdir, "best_drafter"), target)
+  final = drafter_ckpt.load_drafter(os.path.join(workdir, "final_drafter"), target)
+  meta = drafter_ckpt.read_meta(os.path.join(workdir, "best_drafter"))
+  assert meta["training"]["best_step"] == result.summary["best_step"]
+  assert result.summary["steps"] == STEPS and result.summary["tokens_seen"] > 0
+  f = _flat(final.params)
+  for k, v in _flat(result.params).items():
+    np.testing.assert_allclose(f[k], v, atol=2e-2, rtol=1e-2)  # bf16 on disk
+  assert best.config == final.config
+
+
+def test_resume_gives_the_uninterrupted_result(tmp_path, regen, reference):
+  result, ref_dir = reference
+  cfg = tiny.tiny_config(regen[0], num_steps=STEPS, ckpt_every=4, eval_every=6,
+                         stop_at_step=STEPS // 2)
+  partial = train.train(cfg, str(tmp_path))
+  assert partial.summary["steps"] == STEPS // 2
+  cfg.train.stop_at_step = 0
+  resumed = train.train(cfg, str(tmp_path))
+  a, b = _flat(result.params), _flat(resumed.params)
+  for k in a:
+    np.testing.assert_array_equal(a[k], b[k])
+  assert resumed.summary["tokens_seen"] == result.summary["tokens_seen"]
+  ref_rows = _read_csv(os.path.join(ref_dir, "metrics.csv"))
+  new_rows = _read_csv(os.path.join(str(tmp_path), "metrics.csv"))
+  assert [r["loss"] for r in new_rows] == [r["loss"] for r in ref_rows]
+
+
+# -------------------------------------------------------------- sharding ----
+
+_DRIVER = r"""
+import sys, numpy as np
+sys.path.insert(0, {tests!r})
+import jax, tiny
+jax.config.update("jax_compilation_cache_dir", {cache!r})
+from flexdraft_jax.training import train
+from flexdraft_jax.drafter.checkpoint import flatten
+cfg = tiny.tiny_config({regen!r}, num_steps={steps}, ckpt_every=4, eval_every=0)
+cfg.distributed.coordinator = sys.argv[2]
+cfg.distributed.num_processes = int(sys.argv[3])
+cfg.distributed.process_id = int(sys.argv[4])
+r = train.train(cfg, sys.argv[1])
+if jax.process_index() == 0:
+  np.savez(sys.argv[1] + "/params.npz", **{{k: np.asarray(v) for k, v in flatten(r.params).items()}})
+print("devices", jax.device_count(), "processes", jax.process_count())
+"""
+
+
+def _free_port():
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def _launch(workdir, regen_dir, devices, num_processes=1):
+  code = _DRIVER.format(tests=os.path.dirname(os.path.abspath(__file__)),
+                        cache=XLA_CACHE, regen=regen_dir, steps=STEPS)
+  # generous collective timeouts: the CPU may be shared and slow
+  flags = (f"--xla_force_host_platform_device_count={devices} "
+           "--xla_cpu_collective_timeout_seconds=600 "
+           "--xla_cpu_collective_call_terminate_timeout_seconds=600")
+  env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
+  env["PYTHONPATH"] = os.pathsep.join(
+      [os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
+      + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+  coord = f"127.0.0.1:{_free_port()}" if num_processes > 1 else ""
+  procs = []
+  for i in range(num_processes):
+    # a file, not a pipe: an unread pipe can block one rank inside a collective
+    log = open(os.path.join(workdir, f"log{i}.txt"), "w")
+    procs.append((subprocess.Popen([sys.executable, "-c", code, workdir, coord,
+                                    str(num_processes), str(i)], env=env,
+                                   stdout=log, stderr=subprocess.STDOUT), log.name))
+  return procs
+
+
+def _check_matches(reference, procs, workdir, devices, processes):
+  try:
+    for p, _ in procs:
+      p.wait(timeout=400)
+  finally:
+    for p, _ in procs:
+      if p.poll() is None:
+        p.kill()
+        p.wait()
+  outs = [open(name).read() for _, name in procs]
+  for (p, _), out in zip(procs, outs):
+    assert p.returncode == 0, out[-3000:]
+  assert f"devices {devices} processes {processes}" in outs[0]
+  got = np.load(os.path.join(workdir, "params.npz"))
+  for k, v in _flat(reference[0].params).items():
+    np.testing.assert_allclose(got[k], v, atol=1e-5, rtol=1e-5)
+  summary = json.load(open(os.path.join(workdir, "summary.json")))
+  assert summary["tokens_seen"] == reference[0].summary["tokens_seen"]
+
+
+def test_data_parallel_over_8_devices_matches_1_device(tmp_path, regen, reference):
+  procs = _launch(str(tmp_path), regen[0], devices=8)
+  _check_matches(reference, procs, str(tmp_path), 8, 1)
+
+
+def test_two_processes_of_4_devices_match_1_device(tmp_path, regen, reference):
+  procs = _launch(str(tmp_path), regen[0], devices=4, num_processes=2)
+  _check_matches(reference, procs, str(tmp_path), 8, 2)
+
+
+def test_logical_axis_rules_shard_model_axis():
+  mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:1]).reshape(1, 1), ("data", "model"))
+  spec = sharding.spec_for("gate", (4, 64, 128), mesh)
+  assert tuple(spec) == (None, None, "model")
+  assert tuple(sharding.spec_for("embed", (264, 64), mesh)) == ("model", None)
+  assert tuple(sharding.spec_for("unknown", (3, 3), mesh)) == ()
+
+
+# ------------------------------------------------------------ regenerate ----
+
+def _greedy_reference(t, prompt_ids, max_new):
+  """Greedy continuation by full recomputation (no cache), fixed shapes."""
+  T = len(prompt_ids) + max_new
+  fwd = jax.jit(lambda toks: transformer.logits(
+      t.params, t.config, transformer.forward(
+          t.params, t.config, transformer.KVCache.zeros(t.config, 1, T, jnp.float32),
+          toks, jnp.arange(T)[None])[0]))
+  ids = list(prompt_ids)
+  for _ in range(max_new):
+    toks = np.zeros((1, T), np.int32)
+    toks[0, :len(ids)] = ids
+    nxt = int(jnp.argmax(fwd(jnp.asarray(toks))[0, len(ids) - 1]))
+    ids.append(nxt)
+    if nxt in t.config.eos_token_ids:
+      break
+  return ids[len(prompt_ids):]
+
+
+def test_regenerate_cli_answers_greedily_and_resumes(tmp_path, target):
+  pytest.importorskip("flexdraft_jax.decoding.engine")
+  from flexdraft_jax.training import regenerate
+  regen_dir = str(tmp_path / "regen")
+  argv = ["flexdraft_jax regenerate",
+          f"--config={os.path.join(tiny.REPO, 'configs', 'tiny_test.py')}",
+          f"--config.data.regen_dir={regen_dir}", "--config.data.max_new_tokens=5",
+          "--config.data.mix.gsm8k=2", "--config.data.mix.mbpp=2",
+          "--config.data.mix.arena_hard_v01=0"]
+  with pytest.raises(SystemExit) as e:
+    regenerate.run(argv)
+  assert e.value.code in (0, None)
+  recs = data.load_records(regen_dir)
+  assert sorted(r.source for r in recs) == ["gsm8k", "gsm8k", "mbpp", "mbpp"]
+  for r in recs[:2]:
+    assert r.prompt_ids[0] == target.tokenizer.BOS
+    assert list(r.answer_ids) == _greedy_reference(target, list(r.prompt_ids), 5)
+  meta = json.load(open(os.path.join(regen_dir, "meta.json")))
+  assert meta["last_run_tokens_per_s"] > 0
+  # more prompts later: only the new ones are answered
+  cfg = tiny.tiny_config(regen_dir)
+  cfg.data.max_new_tokens = 5
+  cfg.data.mix = dict(gsm8k=3, mbpp=2, arena_hard_v01=0, arena_hard_v20=0)
+  n_shards = data.next_shard_index(regen_dir)
+  regenerate.regenerate(cfg)
+  assert data.next_shard_index(regen_dir) == n_shards + 1
+  assert len(data.load_records(regen_dir)) == 5
+  cfg.target = "random:tiny:1"  # another target may not add to this data
+  with pytest.raises(Exception, match="target_fingerprint"):
+    regenerate.regenerate(cfg)
+
+
+def test_metrics_log_csv_and_tensorboard(tmp_path):
+  import csv
+  from flexdraft_jax.training.metrics_log import MetricsLog
+  log = MetricsLog(str(tmp_path), ["step", "loss"])
+  for step in (1, 2, 3):
+    log.write(step, {"loss": 1.0 / step})
+  log.close()
+  assert any(p.name.startswith("events.out.tfevents") and p.stat().st_size > 0
+             for p in tmp_path.iterdir())
+  resumed = MetricsLog(str(tmp_path), ["step", "loss"], resume_step=2)
+  resumed.close()
+  with open(tmp_path / "metrics.csv") as f:
+    assert [r["step"] for r in csv.DictReader(f)] == ["1", "2"]  # rows past 2 dropped
+
