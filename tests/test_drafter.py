@@ -16,7 +16,6 @@ from flexdraft_jax.drafter import checkpoint as ckpt  # noqa: E402
 from flexdraft_jax.drafter.model import (Drafter, DrafterConfig, draft_logits,  # noqa: E402
                                          init_draft_params, num_params)
 from flexdraft_jax.model.config import FlexDraftError, ModelConfig  # noqa: E402
-from flexdraft_jax.model import transformer  # noqa: E402
 
 DCFG = DrafterConfig(num_layers=2, block_size=4, calib_rank=8)
 

@@ -251,6 +251,7 @@ cfg = tiny.tiny_config({regen!r}, num_steps={steps}, ckpt_every=4, eval_every=0)
 cfg.distributed.coordinator = sys.argv[2]
 cfg.distributed.num_processes = int(sys.argv[3])
 cfg.distributed.process_id = int(sys.argv[4])
+cfg.mesh.model = int(sys.argv[5])
 r = train.train(cfg, sys.argv[1])
 if jax.process_index() == 0:
   np.savez(sys.argv[1] + "/params.npz", **{{k: np.asarray(v) for k, v in flatten(r.params).items()}})
@@ -264,7 +265,7 @@ def _free_port():
     return s.getsockname()[1]
 
 
-def _launch(workdir, regen_dir, devices, num_processes=1):
+def _launch(workdir, regen_dir, devices, num_processes=1, model=1):
   code = _DRIVER.format(tests=os.path.dirname(os.path.abspath(__file__)),
                         cache=XLA_CACHE, regen=regen_dir, steps=STEPS)
   # generous collective timeouts: the CPU may be shared and slow
@@ -281,7 +282,7 @@ def _launch(workdir, regen_dir, devices, num_processes=1):
     # a file, not a pipe: an unread pipe can block one rank inside a collective
     log = open(os.path.join(workdir, f"log{i}.txt"), "w")
     procs.append((subprocess.Popen([sys.executable, "-c", code, workdir, coord,
-                                    str(num_processes), str(i)], env=env,
+                                    str(num_processes), str(i), str(model)], env=env,
                                    stdout=log, stderr=subprocess.STDOUT), log.name))
   return procs
 
@@ -306,14 +307,44 @@ def _check_matches(reference, procs, workdir, devices, processes):
   assert summary["tokens_seen"] == reference[0].summary["tokens_seen"]
 
 
-def test_data_parallel_over_8_devices_matches_1_device(tmp_path, regen, reference):
-  procs = _launch(str(tmp_path), regen[0], devices=8)
-  _check_matches(reference, procs, str(tmp_path), 8, 1)
+@pytest.fixture(scope="module", autouse=True)
+def sharded_runs(request, tmp_path_factory):
+  """The 8-device and 2x4-device runs start first, in the background, so their
+  compiles and collective set-up overlap with the in-process tests (only when
+  this session runs the tests that read them)."""
+  selected = {item.originalname for item in request.session.items}
+  runs = {}
+  for name, devices, processes, model, test in (
+      ("8dev", 8, 1, 1, "test_data_parallel_over_8_devices_matches_1_device"),
+      ("2proc", 4, 2, 1, "test_two_processes_of_4_devices_match_1_device"),
+      ("model2", 8, 1, 2, "test_model_axis_sharding_matches_1_device")):
+    if test not in selected:
+      continue
+    regen = request.getfixturevalue("regen")
+    d = str(tmp_path_factory.mktemp(name))
+    runs[name] = (d, _launch(d, regen[0], devices, processes, model))
+  yield runs
+  for _, procs in runs.values():  # never leave a run behind
+    for p, _ in procs:
+      if p.poll() is None:
+        p.kill()
+        p.wait()
 
 
-def test_two_processes_of_4_devices_match_1_device(tmp_path, regen, reference):
-  procs = _launch(str(tmp_path), regen[0], devices=4, num_processes=2)
-  _check_matches(reference, procs, str(tmp_path), 8, 2)
+def test_data_parallel_over_8_devices_matches_1_device(sharded_runs, reference):
+  d, procs = sharded_runs["8dev"]
+  _check_matches(reference, procs, d, 8, 1)
+
+
+def test_two_processes_of_4_devices_match_1_device(sharded_runs, reference):
+  d, procs = sharded_runs["2proc"]
+  _check_matches(reference, procs, d, 8, 2)
+
+
+def test_model_axis_sharding_matches_1_device(sharded_runs, reference):
+  # mesh data=4 x model=2: vocab / heads / mlp dimensions split by the rules
+  d, procs = sharded_runs["model2"]
+  _check_matches(reference, procs, d, 8, 1)
 
 
 def test_logical_axis_rules_shard_model_axis():

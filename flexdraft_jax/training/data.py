@@ -283,6 +283,3 @@ class Packer:
       batch["anchor_ok_BxK"] &= real[:, None]
       out.append(batch)
     return out
-
-  def tokens_per_batch(self, batch: dict) -> int:
-    return int(np.sum(batch["length_B"]))
