@@ -82,3 +82,31 @@ def define_flags(argv, *, workdir: bool = False) -> None:
                                   lock_config=True, sys_argv=list(argv))
   if workdir and "workdir" not in flags.FLAGS:
     flags.DEFINE_string("workdir", None, "checkpoints, metrics and exported drafters")
+
+
+def qwen3_config(name: str, env_var: str, default_path: str, num_layers: int):
+  """The Qwen3 recipe on an accelerator host (bf16, thinking disabled, long
+  answers); the sizes differ only in the target path and L."""
+  c = base_config(name)
+  c.target = os.environ.get(env_var, default_path)
+  c.dtype = "bfloat16"
+  c.drafter.num_layers = num_layers
+  c.drafter.block_size = 16
+  c.drafter.calib_rank = 256
+  c.data.mix = dict(gsm8k=-1, mbpp=-1, arena_hard_v01=-1, arena_hard_v20=-1)
+  c.data.chat_kwargs = dict(enable_thinking=False)
+  c.data.max_prompt_tokens = 1024
+  c.data.max_new_tokens = 1024
+  c.data.batch_size = 64
+  c.train.seq_len = 2048
+  c.train.batch_size = 32
+  c.train.anchors_per_seq = 16
+  c.train.lr = 6e-4
+  c.train.warmup_steps = 500
+  c.train.num_steps = 20000
+  c.train.log_every = 20
+  c.train.eval_every = 1000
+  c.train.ckpt_every = 1000
+  c.train.num_eval = 128
+  c.train.eval_batch_size = 32
+  return c
