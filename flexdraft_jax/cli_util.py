@@ -18,3 +18,15 @@ def run_main(main, argv):
       sys.exit(1)
 
   app.run(wrapped, argv=argv)
+
+
+def config_and_workdir(args, example: str):
+  """The --config and --workdir flags of a config-driven command, checked."""
+  from absl import flags
+  if len(args) > 1:
+    raise FlexDraftError(f"unexpected arguments: {' '.join(args[1:])}")
+  if flags.FLAGS.config is None:
+    raise FlexDraftError(f"--config is required (e.g. {example})")
+  if not flags.FLAGS.workdir:
+    raise FlexDraftError("--workdir is required")
+  return flags.FLAGS.config, flags.FLAGS.workdir

@@ -51,6 +51,9 @@ class Driver:
   def _chunk(self, state, mode, groups, n_steps):
     refresh = self.stale_drafts and mode != "ar"
     self.stale_drafts = (self.stale_drafts or mode == "ar") and not refresh
+    return self._call(state, mode, groups, n_steps, refresh)
+
+  def _call(self, state, mode, groups, n_steps, refresh=False):
     dparams = None if self.drafter is None else self.drafter.params
     return self.engine.run_chunk(
         self.target.params, dparams, state, mode=mode, num_groups=groups,
@@ -168,7 +171,7 @@ class Driver:
 
     def step(st):  # every row live, nothing emitted yet: one full step of work
       st = st._replace(done_B=jnp.zeros_like(st.done_B), n_out_B=jnp.zeros_like(st.n_out_B))
-      return self._chunk_no_track(st, mode, groups)
+      return self._call(st, mode, groups, 1)
 
     for _ in range(2):  # compile + warm
       probe = step(probe)
@@ -178,13 +181,6 @@ class Driver:
       probe = step(probe)
     jax.block_until_ready(probe)
     return (time.perf_counter() - t) / reps
-
-  def _chunk_no_track(self, state, mode, groups):
-    dparams = self.drafter.params
-    return self.engine.run_chunk(
-        self.target.params, dparams, state, mode=mode, num_groups=groups,
-        n_steps=jnp.int32(1), theta=jnp.float32(self.opts.theta),
-        strategy=self.opts.strategy, refresh=False, **self.static, **self.traced)
 
   def stats(self) -> dict:
     out = {"group_counts": self.group_counts, "mode_steps": self.modes}

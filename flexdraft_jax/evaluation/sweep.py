@@ -391,21 +391,14 @@ def run_sweep(config, workdir: str, *, prompts: Optional[dict] = None, target=No
 
 def run(argv):
   """Entry from `python -m flexdraft_jax eval --config … --workdir DIR`."""
-  from absl import flags
-
   from flexdraft_jax import cli_util
   from flexdraft_jax.training.config import define_flags
   define_flags(argv, workdir=True)
 
   def main(args):
-    if len(args) > 1:
-      raise FlexDraftError(f"unexpected arguments: {' '.join(args[1:])}")
-    if flags.FLAGS.config is None:
-      raise FlexDraftError("--config is required (e.g. configs/eval_smollm2.py)")
-    if not flags.FLAGS.workdir:
-      raise FlexDraftError("--workdir is required")
-    out = run_sweep(flags.FLAGS.config, flags.FLAGS.workdir)
+    config, workdir = cli_util.config_and_workdir(args, "configs/eval_smollm2.py")
+    out = run_sweep(config, workdir)
     print(f"eval: {out['ran']} cells run, {out['skipped']} already done; "
-          f"{os.path.join(flags.FLAGS.workdir, 'results.md')}", flush=True)
+          f"{os.path.join(workdir, 'results.md')}", flush=True)
 
   cli_util.run_main(main, argv)

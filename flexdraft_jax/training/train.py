@@ -357,20 +357,13 @@ def _export(path, config, state, target, record, is_main) -> bool:
 
 
 def run(argv):
-  from absl import flags
-
   from flexdraft_jax import cli_util
   from flexdraft_jax.training.config import define_flags
   define_flags(argv, workdir=True)
 
   def main(args):
-    if len(args) > 1:
-      raise FlexDraftError(f"unexpected arguments: {' '.join(args[1:])}")
-    if flags.FLAGS.config is None:
-      raise FlexDraftError("--config is required (e.g. configs/smollm2_135m.py)")
-    if not flags.FLAGS.workdir:
-      raise FlexDraftError("--workdir is required")
-    result = train(flags.FLAGS.config, flags.FLAGS.workdir)
+    config, workdir = cli_util.config_and_workdir(args, "configs/smollm2_135m.py")
+    result = train(config, workdir)
     if jax.process_index() == 0:
       print(json.dumps(result.summary))
 
