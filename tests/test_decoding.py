@@ -1,10 +1,12 @@
 """Lossless decoding: every mode equals AR at T=0; the engine's mechanics."""
 
+import json
+
 import numpy as np
 import pytest
 
 import flexdraft_jax as fd
-from flexdraft_jax.decoding import engine
+from flexdraft_jax.decoding import engine, flex
 from tests.decoding_util import random_drafter, tiny_target, top2_gap
 
 MODES = [("parallel", 0.0), ("parallel", 0.3), ("sequential", 0.0), ("flex", 0.3)]
@@ -97,6 +99,63 @@ def test_no_recompilation_after_warmup(target):
   # one compiled chunk per (mode, group bucket[, draft refresh]), not per token
   buckets = len(engine.group_buckets(4, engine.SpecOptions()))
   assert warm - before <= 2 * (2 + buckets)
+
+
+@pytest.fixture
+def cost_cache(tmp_path, monkeypatch):
+  """flex's on-disk step-cost cache, in a temporary file."""
+  path = str(tmp_path / "step_costs.json")
+  monkeypatch.setattr(flex, "COST_CACHE", path)
+  return path
+
+
+def count_chunks(monkeypatch) -> list:
+  """Records the mode of every jitted chunk the driver runs."""
+  calls, real = [], engine.run_chunk
+  def counted(*a, **kw):
+    calls.append(kw["mode"])
+    return real(*a, **kw)
+  monkeypatch.setattr(engine, "run_chunk", counted)
+  return calls
+
+
+@pytest.mark.parametrize("cheapest", ["ar", "sequential", "parallel"])
+def test_flex_auto_picks_the_fastest_predicted_mode(target, cost_cache, monkeypatch, cheapest):
+  def measure(self, state):  # one mode costs 1 s a step, the others 100 s
+    cost = lambda m: 1.0 if m == cheapest else 100.0
+    return {"ar": cost("ar"), "sequential": cost("sequential"),
+            "parallel": {str(g): cost("parallel") for g in self.buckets}}
+  monkeypatch.setattr(flex.Driver, "_measure", measure)
+  prompts = prompts_for(3, seed=4)
+  drafter = random_drafter(target, block_size=4, noise=0.5)
+  ref = fd.generate(target, prompts, max_new_tokens=40)
+  calls = count_chunks(monkeypatch)
+  out = fd.generate(target, prompts, max_new_tokens=40, drafter=drafter, mode="flex")
+  assert_lossless(target, prompts, ref.token_ids, out.token_ids)
+  assert {m for m, _ in out.stats["mode_steps"]} == {cheapest}
+  assert set(calls) == {cheapest}
+  if cheapest == "ar":  # AR steps run as in `ar` mode: one device loop
+    assert len(calls) == 1 and out.stats["steps"] == ref.stats["steps"]
+
+
+def test_flex_auto_measures_once_per_shape(target, cost_cache, monkeypatch):
+  prompts = prompts_for(2, seed=6)
+  drafter = random_drafter(target, block_size=4, noise=0.5)
+  ref = fd.generate(target, prompts, max_new_tokens=24)
+  timed = []
+  real = flex.Driver._time
+  monkeypatch.setattr(flex.Driver, "_time",
+                      lambda self, *a, **kw: timed.append(a[1]) or real(self, *a, **kw))
+  for _ in range(2):
+    out = fd.generate(target, prompts, max_new_tokens=24, drafter=drafter, mode="flex")
+    assert_lossless(target, prompts, ref.token_ids, out.token_ids)
+  buckets = engine.group_buckets(4, engine.SpecOptions())
+  assert sorted(timed) == sorted(["ar", "sequential"] + ["parallel"] * len(buckets))
+  with open(cost_cache) as f:
+    (costs,) = json.load(f).values()
+  assert costs["ar"] > 0 and costs["sequential"] > 0
+  assert sorted(costs["parallel"]) == sorted(str(g) for g in buckets)
+  assert out.stats["step_costs"] == {"2": costs}  # seconds per step at 2 rows
 
 
 def test_group_buckets():

@@ -321,7 +321,7 @@ def _merge_stats(parts, mode):
   s["tau"] = s["committed_tokens"] / max(s["verified_row_steps"], 1)
   for k in ("group_counts", "mode_steps"):  # run-length [value, steps] lists
     s[k] = [x for p in parts for x in p.get(k, [])]
-  for k in ("flex_threshold",):
-    if k in parts[0]:
-      s[k] = parts[0][k]
+  if "flex_threshold" in parts[0]:
+    s["flex_threshold"] = parts[0]["flex_threshold"]
+    s["step_costs"] = {b: c for p in parts for b, c in p["step_costs"].items()}
   return s

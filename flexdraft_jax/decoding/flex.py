@@ -43,6 +43,9 @@ class Driver:
     self.buckets = engine.group_buckets(self.bs, opts) if drafter else ()
     self.group_counts, self.modes = [], []
     self.costs = None
+    self.spec_hist = None          # accept histogram of the speculative steps only
+    self.tau0 = None               # τ estimated from the first drafts' confidences
+    self.measured = {}             # batch rows -> step costs (flex "auto")
     self.stale_drafts = False
     self.mesh = mesh
     self.row_ids = np.arange(B)   # original row of each state row
@@ -76,18 +79,32 @@ class Driver:
       if done.all():
         return state
       state = self._maybe_compact(state, done)
-      if self.mode == "ar":
+      if self.mode == "ar" or self._sticky_ar():
         mode, g = "ar", 0
-        n = AR_CHUNK if self.B >= COMPACT_MIN else max_new
       else:
         groups, live = self._needed(state)
         mode = self._choose(state, live, groups)
         g = self._bucket(groups) if mode == "parallel" else 0
+      if mode == "ar":
+        # Plain AR runs exactly as the `ar` mode does: one device loop, or
+        # chunks of AR_CHUNK while compaction can still shrink the batch.
+        n = AR_CHUNK if self.B >= COMPACT_MIN else max_new
+      else:
         selective = mode == "parallel" and self.opts.theta > 0
         n = 1 if selective else self.steps_per_call
+      hist = None if mode == "ar" else np.asarray(state.accept_hist)
       state = self._chunk(state, mode, g, n)
+      if hist is not None:
+        delta = np.asarray(state.accept_hist) - hist
+        self.spec_hist = delta if self.spec_hist is None else self.spec_hist + delta
       done_steps, steps = int(state.steps) - steps, int(state.steps)
       self._record(mode, g, done_steps)
+
+  def _sticky_ar(self) -> bool:
+    """Flex's AR choice stands until the batch shape changes: AR steps observe
+    no τ and the step costs are per shape, so the prediction cannot change."""
+    return (self.mode == "flex" and self.opts.flex_threshold == "auto"
+            and self.costs is not None and bool(self.modes) and self.modes[-1][0] == "ar")
 
   def _maybe_compact(self, state, done):
     live = int((~done).sum())
@@ -132,7 +149,7 @@ class Driver:
     if self.opts.flex_threshold != "auto":
       return "parallel" if live <= self.opts.flex_threshold else "sequential"
     if self.costs is None:
-      self.costs = self._measure(state)
+      self.costs = self.measured[str(self.B)] = self._measure(state)
     tau = self._tau(state)
     g = str(self._bucket(groups))
     rate = {"ar": 1.0 / self.costs["ar"],
@@ -141,11 +158,15 @@ class Driver:
     return max(rate, key=rate.get)
 
   def _tau(self, state) -> float:
-    hist = np.asarray(state.accept_hist)
-    if hist.sum() >= 4:
+    """τ of the speculative steps so far; before four of them, the drafts' own
+    estimate (1 + the sum of their cumulative confidences)."""
+    hist = self.spec_hist
+    if hist is not None and hist.sum() >= 4:
       return float((hist * np.arange(len(hist))).sum() / hist.sum())
-    conf = np.asarray(state.conf_BxD)
-    return 1.0 + float(np.cumprod(conf, axis=1).sum(1).mean())
+    if self.tau0 is None:  # from the prefill's drafts (AR steps leave them stale)
+      conf = np.asarray(state.conf_BxD)
+      self.tau0 = 1.0 + float(np.cumprod(conf, axis=1).sum(1).mean())
+    return self.tau0
 
   def _cost_key(self) -> str:
     dev = jax.devices()[0]
@@ -186,8 +207,7 @@ class Driver:
     out = {"group_counts": self.group_counts, "mode_steps": self.modes}
     if self.mode == "flex":
       out["flex_threshold"] = self.opts.flex_threshold
-      if self.costs is not None:
-        out["step_costs"] = self.costs
+      out["step_costs"] = self.measured
     return out
 
 

@@ -115,6 +115,7 @@ def _merge(stats: list) -> dict:
   s["mean_groups"] = (sum(int(g) * n for g, n in groups.items()) / sum(groups.values())
                       if groups else None)
   s["mode_steps"] = _run_lengths(stats, "mode_steps")
+  s["step_costs"] = {b: c for x in stats for b, c in x.get("step_costs", {}).items()}
   return s
 
 
