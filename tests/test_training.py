@@ -6,6 +6,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import types
 
 import jax
 import jax.numpy as jnp
@@ -155,6 +156,31 @@ def test_precomputed_deep_kv_gives_the_same_loss(regen, target):
   loss2, m2 = f(dict(batch, deep_k=k, deep_v=v))
   np.testing.assert_allclose(loss2, loss, rtol=1e-6)
   assert float(m2["tau"]) == float(m["tau"])
+
+
+def test_deep_kv_cache_serves_fewer_layers(tmp_path):
+  packer = types.SimpleNamespace(seq_len=8, records=[types.SimpleNamespace(uid=u)
+                                                     for u in ("a", "b")])
+  calls = []
+
+  def compute_for(n):
+    def compute():
+      calls.append(n)
+      kv = np.arange(2 * n * 3, dtype=np.float32).reshape(2, n, 3)
+      return kv, -kv
+    return compute
+
+  cached = lambda n: train._cached_deep_kv(str(tmp_path), "train", "fp", packer,
+                                           DrafterConfig(num_layers=n), compute_for(n))
+  k3, v3 = cached(3)
+  k2, v2 = cached(2)                      # the last two of the three cached layers
+  np.testing.assert_array_equal(k2, k3[:, 1:])
+  np.testing.assert_array_equal(v2, v3[:, 1:])
+  assert calls == [3]
+  cached(4)                               # more layers than cached: computed again
+  packer.records.pop()                    # other records: computed again
+  cached(2)
+  assert calls == [3, 4, 2]
 
 
 def test_loss_weights_and_offline_tau():

@@ -62,7 +62,10 @@ def base_config(name: str) -> ml_collections.ConfigDict:
       # Compute the deep layers' clean K/V of every sequence once and keep it in
       # host memory instead of a clean pass per step (CE loss only; memory
       # N·T·L·2·kv_size·bytes — for small targets).
-      precompute_kv=False))
+      precompute_kv=False,
+      # Where that cache lives (default WORKDIR/deep_kv). Runs that share one
+      # directory share the clean pass; a cache for L layers serves any L' <= L.
+      deep_kv_dir=""))
 
   c.mesh = ml_collections.ConfigDict(dict(data=-1, model=1))
   c.distributed = ml_collections.ConfigDict(dict(

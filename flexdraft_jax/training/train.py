@@ -173,7 +173,8 @@ def _setup(config, workdir=None):
       if p is not None:
         compute = functools.partial(precompute_deep_kv, p, target_params, cfg, dcfg,
                                     tc, rep, name)
-        p.deep_kv = _cached_deep_kv(workdir, name, target.fingerprint, p, dcfg, compute)
+        kv_dir = tc.deep_kv_dir or (workdir and os.path.join(workdir, "deep_kv"))
+        p.deep_kv = _cached_deep_kv(kv_dir, name, target.fingerprint, p, dcfg, compute)
   steps = make_steps(cfg, dcfg, tx, schedule, tc, shardings_, mesh)
   # Keep only what exports need; the params now live in `target_params`.
   ref = types.SimpleNamespace(config=cfg, name=target.name, fingerprint=target.fingerprint)
@@ -201,12 +202,13 @@ def precompute_deep_kv(packer, target_params, cfg, dcfg, tc, replicated, name="t
   return np.concatenate(ks), np.concatenate(vs)
 
 
-def _cached_deep_kv(workdir, name, fingerprint, packer, dcfg, compute):
-  """`compute()`, saved under WORKDIR/deep_kv/ and reused by a resumed run
-  while the target, the records and the shapes are the same."""
-  if not workdir:
+def _cached_deep_kv(d, name, fingerprint, packer, dcfg, compute):
+  """`compute()`, saved under directory `d` (None: not saved) and reused while
+  the target, the records and the sequence length are the same. A cache made
+  for more draft layers serves fewer — its last L layers — so an L = 2, 4, 6, 8
+  ablation that shares one directory runs the target's clean pass once."""
+  if not d:
     return compute()
-  d = os.path.join(workdir, "deep_kv")
   key = {"fingerprint": fingerprint, "seq_len": packer.seq_len,
          "num_layers": dcfg.num_layers,
          "uids": hashlib.sha256("\n".join(r.uid for r in packer.records).encode()
@@ -214,8 +216,12 @@ def _cached_deep_kv(workdir, name, fingerprint, packer, dcfg, compute):
   key_path = os.path.join(d, f"{name}.json")
   if os.path.exists(key_path):
     with open(key_path) as f:
-      if json.load(f) == key:
-        return tuple(np.load(os.path.join(d, f"{name}_{c}.npy")) for c in "kv")
+      found = json.load(f)
+    cached_layers = found.pop("num_layers", 0)
+    if found == {k: v for k, v in key.items() if k != "num_layers"} and (
+        cached_layers >= dcfg.num_layers):
+      return tuple(np.load(os.path.join(d, f"{name}_{c}.npy"), mmap_mode="r")
+                   [:, cached_layers - dcfg.num_layers:] for c in "kv")
   kv = compute()
   if jax.process_index() == 0:
     os.makedirs(d, exist_ok=True)
