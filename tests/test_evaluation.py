@@ -182,6 +182,28 @@ def test_report_speedup_is_tokens_per_second_ratio(tmp_path):
   assert any("2.50× (2.50)" in line for line in report.speedup_table(results, 0.0))
 
 
+def test_step_cost_table_shows_the_break_even_tau():
+  costs = {"4": {"ar": 0.02, "sequential": 0.05, "parallel": {"2": 0.06, "16": 0.1}}}
+  results = {"cells": {"k": {"params": {"mode": "flex"}, "step_costs": costs},
+                       "a": {"params": {"mode": "ar"}}}}
+  table = report.step_cost_table(results)
+  assert table[0].startswith("| rows | ar | sequential | parallel G=2 | parallel G=16 |")
+  assert table[2] == "| 4 | 20.0 ms | 50.0 ms | 60.0 ms | 100.0 ms | 2.50 | 5.00 |"
+  assert report.step_cost_table({"cells": {"a": {"params": {"mode": "ar"}}}}) == []
+
+
+def test_batches_per_cell_caps_a_cells_prompts():
+  config = sweep.default_config()
+  rows = [BenchmarkPrompt(f"gsm8k:{i}", "gsm8k", (f"q{i}",)) for i in range(16)]
+  ctx = cells.Context(config, None, {}, {"gsm8k": rows}, {})
+  cell = lambda b: cells.Cell("gsm8k", b, "ar", 0.0)
+  assert cells.cell_prompts(ctx, cell(1)) == rows          # 0: every prompt
+  config.eval.batches_per_cell = 2
+  assert cells.cell_prompts(ctx, cell(1)) == rows[:2]
+  assert cells.cell_prompts(ctx, cell(4)) == rows[:8]
+  assert cells.cell_prompts(ctx, cell(16)) == rows
+
+
 # ----------------------------------------------------------------- sweep ----
 
 PROMPTS = {"gsm8k": ["What is 2+3?", "What is 7*6?"],

@@ -281,7 +281,7 @@ def _generate_batch(target, ids, max_new, sp, seed, drafter, mode, opts,
   traced = dict(max_new=jnp.int32(max_new), stop_ids=_stop_array(stop_ids))
   t0 = time.perf_counter()
   state = _prefill(target.params, dparams, prompt, plen, valid,
-                   jax.random.PRNGKey(seed), S=S, out_len=_round_up(max_new + bs, 64),
+                   jax.random.PRNGKey(seed), S=S, out_len=S,  # max_new < S; shapes need only S
                    cache_sharding=sharding.cache_sharding(mesh), **static, **traced)
   jax.block_until_ready(state)
   t1 = time.perf_counter()

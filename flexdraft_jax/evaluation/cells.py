@@ -119,8 +119,9 @@ def _merge(stats: list) -> dict:
   return s
 
 
-def _generate(ctx: Context, cell: Cell, rows: list) -> tuple:
-  """All turns of `rows`. Returns (outputs[row][turn], prompt_ids[row][turn], stats)."""
+def _generate(ctx: Context, cell: Cell, rows: list, max_new: int = 0) -> tuple:
+  """All turns of `rows` (up to `max_new` new tokens each; 0: eval.max_new_tokens).
+  Returns (outputs[row][turn], prompt_ids[row][turn], stats)."""
   from flexdraft_jax import api
   ec, tok = ctx.config.eval, ctx.target.tokenizer
   kw = benchmarks.chat_kwargs(ctx.target)
@@ -135,7 +136,8 @@ def _generate(ctx: Context, cell: Cell, rows: list) -> tuple:
     ids = [benchmarks.render(tok, benchmarks.messages_for_turn(rows[i], answers[i]), kw)
            for i in live]
     res = api.generate(
-        ctx.target, ids, max_new_tokens=ec.max_new_tokens, temperature=cell.temperature,
+        ctx.target, ids, max_new_tokens=max_new or ec.max_new_tokens,
+        temperature=cell.temperature,
         seed=ec.seed, drafter=drafter, mode=mode, batch_size=min(cell.batch_size, len(ids)),
         max_len=ctx.max_len[(cell.dataset, turn)], threshold=cell.theta,
         strategy=ec.strategy, flex_threshold=_flex_threshold(ec.flex_threshold),
@@ -158,6 +160,9 @@ def _flex_threshold(value):
   return value
 
 
+WARMUP_TOKENS = 40  # new tokens per warm-up row: a few blocks of every mode
+
+
 def _warmup_rows(rows: list, batch_size: int) -> list:
   """A first full batch, plus the last partial batch if there is one."""
   b = min(batch_size, len(rows))
@@ -165,13 +170,21 @@ def _warmup_rows(rows: list, batch_size: int) -> list:
   return rows[:b] + (rows[-tail:] if tail else [])
 
 
+def cell_prompts(ctx: Context, cell: Cell) -> list:
+  """The cell's prompts: its dataset's, capped at `eval.batches_per_cell` batches."""
+  rows = ctx.prompts[cell.dataset]
+  cap = ctx.config.eval.get("batches_per_cell", 0)
+  return rows[:cap * cell.batch_size] if cap and cap > 0 else rows
+
+
 def run_cell(ctx: Context, cell: Cell, reference: Optional[dict]) -> dict:
   """Warm-up, timed run(s), lossless check against `reference` (the AR cell)."""
-  rows = ctx.prompts[cell.dataset]
   ec = ctx.config.eval
+  rows = cell_prompts(ctx, cell)
   t_start = time.perf_counter()
-  if ec.warmup:
-    _generate(ctx, cell, _warmup_rows(rows, cell.batch_size))
+  if ec.warmup:  # compiles the steps: the token budget is traced, shapes depend on
+    # the batch and the cache length only, so a short warm-up compiles them all
+    _generate(ctx, cell, _warmup_rows(rows, cell.batch_size), WARMUP_TOKENS)
   runs = 0
   while True:
     n0 = len(_COMPILES)

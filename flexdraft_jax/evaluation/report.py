@@ -126,6 +126,34 @@ def ablation_table(results: dict) -> list:
   return lines
 
 
+def _batches_note(settings: dict) -> str:
+  cap = settings.get("batches_per_cell") or 0
+  return (f", at most {cap} batch{'es' if cap > 1 else ''} per cell (batch b runs "
+          f"the first {cap}·b)" if cap > 0 else "")
+
+
+def step_cost_table(results: dict) -> list:
+  """Flex `auto`'s measured seconds per step at each batch shape, and its choice."""
+  costs = {}
+  for c in results["cells"].values():
+    if c["params"]["mode"] == "flex":
+      costs.update(c.get("step_costs", {}))
+  if not costs:
+    return []
+  groups = sorted({g for c in costs.values() for g in c["parallel"]}, key=int)
+  lines = ["| rows | ar | sequential | " + " | ".join(f"parallel G={g}" for g in groups)
+           + " | τ where sequential = ar | τ where parallel G=max = ar |",
+           "|---|---|---|" + "---|" * len(groups) + "---|---|"]
+  for rows_ in sorted(costs, key=int):
+    c = costs[rows_]
+    par = [c["parallel"].get(g) for g in groups]
+    ms = lambda x: "-" if x is None else f"{1e3 * x:.1f} ms"
+    lines.append(f"| {rows_} | {ms(c['ar'])} | {ms(c['sequential'])} | "
+                 + " | ".join(ms(x) for x in par)
+                 + f" | {c['sequential'] / c['ar']:.2f} | {par[-1] / c['ar']:.2f} |")
+  return lines
+
+
 def write_markdown(results: dict, path: str, plots: list) -> str:
   meta = results.get("meta", {})
   drafter = meta.get("drafter", {})
@@ -138,7 +166,7 @@ def write_markdown(results: dict, path: str, plots: list) -> str:
             f"bs={drafter.get('config', {}).get('block_size')}). "
             f"max_new_tokens={st.get('max_new_tokens')}, prompts per dataset: "
             f"{st.get('limit') if (st.get('limit') or 0) > 0 else 'all'} (the first of each "
-            f"file), seed {st.get('seed')}. Decode time only, warmed up. "
+            f"file){_batches_note(st)}, seed {st.get('seed')}. Decode time only, warmed up. "
             "Speedup = AR time per output token ÷ the mode's (same prompts, batch size "
             "and temperature).", ""]
   all_rows = rows(results)
@@ -156,6 +184,13 @@ def write_markdown(results: dict, path: str, plots: list) -> str:
                  f"{r['label']} | {r['drafter']} | {r['tau']:.2f} | "
                  f"{r['tokens_per_second']:.1f} | {_fmt(r['speedup'])} | "
                  f"{_fmt(r['lossless'])} | {' '.join(map(str, hist))} |")
+  costs = step_cost_table(results)
+  if costs:
+    lines += ["", "## Flex `auto`: measured step costs", "",
+              "Seconds per step of each mode at each live batch shape (cached per "
+              "target/hardware/shape). Flex predicts tokens/s = τ / cost and runs the "
+              "fastest; a speculative mode beats AR only where τ exceeds the ratios in "
+              "the last two columns.", ""] + costs
   if results.get("ablation"):
     lines += ["", "## Ablations", ""] + ablation_table(results)
   if plots:

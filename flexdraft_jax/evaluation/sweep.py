@@ -40,8 +40,8 @@ PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath
 SHIPPED_DRAFTER = "flexdraft_jax/drafters/smollm2_135m"
 
 # settings every cell of a workdir shares (a change needs another workdir)
-SHARED_SETTINGS = ("max_new_tokens", "limit", "seed", "strategy", "flex_threshold",
-                   "attn_impl", "block_size", "max_len")
+SHARED_SETTINGS = ("max_new_tokens", "limit", "batches_per_cell", "seed", "strategy",
+                   "flex_threshold", "attn_impl", "block_size", "max_len")
 
 
 def default_config() -> ml_collections.ConfigDict:
@@ -59,6 +59,10 @@ def default_config() -> ml_collections.ConfigDict:
   c.eval = ml_collections.ConfigDict(dict(
       datasets="gsm8k,math500,humaneval,mbpp,mt_bench",
       limit=16,                   # prompts per dataset (the first ones of the file)
+      # At most this many batches per cell (0: all): a cell of batch size b
+      # runs the first b·batches_per_cell prompts, so small batches do not
+      # dominate a CPU sweep while batch 16 still gets 16 prompts.
+      batches_per_cell=0,
       # JSON {dataset: [prompt, …]} replacing benchmark files; a prompt is a
       # string or a list of user turns. Names need not be benchmarks.
       prompts_file="",
