@@ -14,8 +14,8 @@ files come from $FLEXDRAFT_DATA, else <repo>/../shared/data (--config.data_dir).
 The drafter is flexdraft_jax/drafters/smollm2_135m (--config.drafter=DIR); until
 it exists a random drafter stands in, loudly (--config.random_drafter.allow=False
 refuses instead). Ablation drafters with L = 2, 6, 8 draft layers are the
-trainer's exports (python -m flexdraft_jax train --config configs/smollm2_135m.py
---config.drafter.num_layers=N --workdir runs/smollm2_LN); a missing one is a
+trainer's exports, made by `bash launch/train_ablation.sh` (the shipped recipe with
+--config.drafter.num_layers=N into <runs>/smollm2_135m_LN); a missing one is a
 skipped row. The workdir is resumable: finished cells are never rerun.
 """
 
