@@ -80,11 +80,13 @@ def speedup_table(results: dict, temperature: float) -> list:
   if not modes:
     return []
   theta = {r["mode"]: r["theta"] for r in rs}
-  head = ["dataset", "batch"] + [mode_label(m, theta[m]) for m in modes]
+  head = ["dataset", "batch", "AR tok/s"] + [mode_label(m, theta[m]) for m in modes]
   lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
   groups = sorted({(r["dataset"], r["batch_size"]) for r in rs})
+  ar_tps = {(r["dataset"], r["batch_size"]): r["tokens_per_second"]
+            for r in rs if r["mode"] == "ar"}
   for ds, bs in groups:
-    cells = []
+    cells = [_fmt(ar_tps.get((ds, bs)), ".1f")]
     for m in modes:
       r = next((r for r in rs if (r["dataset"], r["batch_size"], r["mode"]) == (ds, bs, m)), None)
       cells.append("" if r is None else
@@ -92,7 +94,8 @@ def speedup_table(results: dict, temperature: float) -> list:
                    + ("" if r["lossless"] in (True, None) else " **lossy**"))
     lines.append(f"| {ds} | {bs} | " + " | ".join(cells) + " |")
   for bs in sorted({b for _, b in groups}):
-    means = []
+    ar = [v for (_, b), v in ar_tps.items() if b == bs]
+    means = [f"{np.mean(ar):.1f}" if ar else ""]
     for m in modes:
       sp = [r["speedup"] for r in rs if r["mode"] == m and r["batch_size"] == bs
             and r["speedup"] is not None]

@@ -1,0 +1,84 @@
+"""Flex vs AR throughput, SmolLM2-135M + the shipped drafter, the same prompts.
+
+Run (one command, from the repository root):
+  PYTHONPATH=. python launch/bench_flex.py --batch_sizes=1,4,16 --max_new_tokens=64 \\
+    --repeats=5 --out=/tmp/bench_flex.json
+
+The decoding issue's goal is that flex's throughput is never below AR's: where
+speculation does not pay, flex must run plain AR steps at AR's speed. A sweep
+times each cell once, minutes apart, so on a shared CPU two cells of the same
+code differ by ±10 %. Here the two modes alternate (AR, flex, AR, flex, …) on
+the same batch — the first `B` GSM8K test questions under the chat template,
+greedy, stops off so every row decodes `--max_new_tokens` — after one untimed
+call of each, and each mode's tokens/s is the median (and best) of `--repeats`
+decode-only timings (the engine's `decode_seconds`). Flex runs with `B* = auto`:
+its measured step costs (cached per target/hardware/batch shape), the steps it
+ran in each mode, and both outputs' equality are reported too.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+
+from absl import app
+from absl import flags
+
+flags.DEFINE_list("batch_sizes", ["1", "4", "16"], "batch sizes")
+flags.DEFINE_integer("max_new_tokens", 64, "new tokens per row (stops off)")
+flags.DEFINE_integer("repeats", 5, "timed calls per mode and batch size")
+flags.DEFINE_string("drafter", "flexdraft_jax/drafters/smollm2_135m", "drafter directory")
+flags.DEFINE_float("threshold", 0.01, "selective verification θ of flex's parallel steps")
+flags.DEFINE_string("data_dir", "", "benchmark files (default: ../shared/data or $FLEXDRAFT_DATA)")
+flags.DEFINE_string("out", "", "write the results as JSON here")
+FLAGS = flags.FLAGS
+
+
+def main(argv):
+  del argv
+  import flexdraft_jax as fd
+  from flexdraft_jax.evaluation import benchmarks, sweep
+  from flexdraft_jax.training.config import data_root
+  target = fd.load_target("smollm2-135m")
+  drafter = fd.load_drafter(sweep.resolve_path(FLAGS.drafter), target)
+  kw = benchmarks.chat_kwargs(target)
+  sizes = [int(b) for b in FLAGS.batch_sizes]
+  rows = benchmarks.load_benchmark("gsm8k", FLAGS.data_dir or data_root(), max(sizes))
+  results = []
+  print("| batch | AR tok/s (median, best) | flex tok/s (median, best) | flex / AR "
+        "(median) | flex steps | outputs equal |", flush=True)
+  print("|---|---|---|---|---|---|", flush=True)
+  for b in sizes:
+    ids = [benchmarks.render(target.tokenizer, benchmarks.messages_for_turn(p, []), kw)
+           for p in rows[:b]]
+    opts = {"ar": dict(mode="ar"),
+            "flex": dict(mode="flex", drafter=drafter, threshold=FLAGS.threshold)}
+    tps = {m: [] for m in opts}
+    last = {}
+    for i in range(FLAGS.repeats + 1):
+      for m, o in opts.items():
+        res = fd.generate(target, ids, max_new_tokens=FLAGS.max_new_tokens, stop=[], **o)
+        if i:  # the first call of each mode compiles
+          tps[m].append(res.stats["tokens_per_second"])
+        last[m] = res
+    med = {m: statistics.median(v) for m, v in tps.items()}
+    steps = last["flex"].stats["mode_steps"]
+    equal = last["flex"].token_ids == last["ar"].token_ids
+    results.append({"batch_size": b, "tokens_per_second": tps, "median": med,
+                    "flex_over_ar": med["flex"] / med["ar"], "flex_mode_steps": steps,
+                    "step_costs": last["flex"].stats.get("step_costs"),
+                    "outputs_equal": equal})
+    print(f"| {b} | {med['ar']:.1f}, {max(tps['ar']):.1f} | {med['flex']:.1f}, "
+          f"{max(tps['flex']):.1f} | {med['flex'] / med['ar']:.2f} | "
+          f"{' '.join(f'{m}×{n}' for m, n in steps)} | {'yes' if equal else 'NO'} |",
+          flush=True)
+  if FLAGS.out:
+    with open(FLAGS.out, "w") as f:
+      json.dump({"max_new_tokens": FLAGS.max_new_tokens, "repeats": FLAGS.repeats,
+                 "results": results}, f, indent=1)
+  return 0 if all(r["outputs_equal"] for r in results) else 1
+
+
+if __name__ == "__main__":
+  sys.exit(app.run(main))
