@@ -43,7 +43,7 @@ class Driver:
     self.buckets = engine.group_buckets(self.bs, opts) if drafter else ()
     self.group_counts, self.modes = [], []
     self.costs = None
-    self.spec_hist = None          # accept histogram of the speculative steps only
+    self.ar_hist = 0               # the accept histogram's counts from flex's AR steps
     self.tau0 = None               # τ estimated from the first drafts' confidences
     self.measured = {}             # batch rows -> step costs (flex "auto")
     self.stale_drafts = False
@@ -92,11 +92,13 @@ class Driver:
       else:
         selective = mode == "parallel" and self.opts.theta > 0
         n = 1 if selective else self.steps_per_call
-      hist = None if mode == "ar" else np.asarray(state.accept_hist)
+      # τ must come from speculative steps only: flex keeps AR steps' counts
+      # apart (AR chunks are few; speculative chunks pay no extra transfer).
+      count_ar = self.mode == "flex" and mode == "ar"
+      before = np.asarray(state.accept_hist) if count_ar else None
       state = self._chunk(state, mode, g, n)
-      if hist is not None:
-        delta = np.asarray(state.accept_hist) - hist
-        self.spec_hist = delta if self.spec_hist is None else self.spec_hist + delta
+      if count_ar:
+        self.ar_hist = self.ar_hist + (np.asarray(state.accept_hist) - before)
       done_steps, steps = int(state.steps) - steps, int(state.steps)
       self._record(mode, g, done_steps)
 
@@ -160,8 +162,8 @@ class Driver:
   def _tau(self, state) -> float:
     """τ of the speculative steps so far; before four of them, the drafts' own
     estimate (1 + the sum of their cumulative confidences)."""
-    hist = self.spec_hist
-    if hist is not None and hist.sum() >= 4:
+    hist = np.asarray(state.accept_hist) - self.ar_hist
+    if hist.sum() >= 4:
       return float((hist * np.arange(len(hist))).sum() / hist.sum())
     if self.tau0 is None:  # from the prefill's drafts (AR steps leave them stale)
       conf = np.asarray(state.conf_BxD)

@@ -173,8 +173,8 @@ def _warmup_rows(rows: list, batch_size: int) -> list:
 def cell_prompts(ctx: Context, cell: Cell) -> list:
   """The cell's prompts: its dataset's, capped at `eval.batches_per_cell` batches."""
   rows = ctx.prompts[cell.dataset]
-  cap = ctx.config.eval.get("batches_per_cell", 0)
-  return rows[:cap * cell.batch_size] if cap and cap > 0 else rows
+  cap = ctx.config.eval.batches_per_cell
+  return rows[:cap * cell.batch_size] if cap > 0 else rows
 
 
 def run_cell(ctx: Context, cell: Cell, reference: Optional[dict]) -> dict:
