@@ -268,9 +268,10 @@ def plot_tau(results: dict, workdir: str) -> list:
   ax.set_xticks(np.arange(len(datasets)) + w * (len(modes) - 1) / 2, datasets)
   ax.set_ylabel("τ (tokens per verification)")
   ax.set_title(f"τ per dataset (batch {bs}, T={temp:g})")
-  ax.legend(fontsize=7)
+  # below the axes: inside, it covers the bars of the last dataset
+  ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=len(modes))
   path = os.path.join(workdir, "tau_per_dataset.png")
-  fig.savefig(path, dpi=90)
+  fig.savefig(path, dpi=90, bbox_inches="tight")
   return [path]
 
 
