@@ -13,15 +13,21 @@ from flexdraft_jax.model import transformer
 from flexdraft_jax.model.config import FlexDraftError
 
 
-def load_target(spec: str, dtype: str = "float32"):
+def load_target(spec: str, dtype: str = "float32", layout: str = "stacked"):
   """A Target(config, params, tokenizer, name, fingerprint) from an HF
   safetensors directory, a `.gguf` file, a builtin name (`smollm2-135m`) or,
-  for tests, `random:NAME`."""
+  for tests, `random:NAME`.
+
+  layout="layers" holds each layer's weights as separate arrays, the layout
+  decoding reads: a decode-only job (generation, evaluation) then holds the
+  weights once, where a "stacked" target (what training needs) also gets a
+  per-layer copy the first time it decodes.
+  """
   if isinstance(spec, str) and spec.startswith("random:"):
     from flexdraft_jax.training import targets
-    return targets.load(spec, dtype)
+    return targets.load(spec, dtype, layout)
   from flexdraft_jax.model import loading
-  return loading.load_target(spec, dtype)
+  return loading.load_target(spec, dtype, layout)
 
 
 def load_drafter(path: str, target):

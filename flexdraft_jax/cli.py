@@ -81,7 +81,7 @@ def main(argv) -> int:
     except ValueError:
       raise FlexDraftError(f"--flex-threshold must be an integer or 'auto', "
                            f"got {flex_threshold!r}") from None
-  target = fd.load_target(args.model, dtype=args.dtype)
+  target = fd.load_target(args.model, dtype=args.dtype, layout="layers")
   drafter = fd.load_drafter(args.drafter, target) if args.drafter else None
   result = fd.generate(
       target, prompts, max_new_tokens=args.max_new_tokens,

@@ -2,11 +2,15 @@
 
 import json
 
+import jax
 import numpy as np
 import pytest
 
 import flexdraft_jax as fd
 from flexdraft_jax.decoding import engine, flex
+from flexdraft_jax.drafter import compat
+from flexdraft_jax.drafter.model import init_draft_params
+from flexdraft_jax.model import transformer
 from tests.decoding_util import random_drafter, tiny_target, top2_gap
 
 MODES = [("parallel", 0.0), ("parallel", 0.3), ("sequential", 0.0), ("flex", 0.3)]
@@ -187,6 +191,38 @@ def test_drafter_for_another_target_is_refused(target):
   with pytest.raises(fd.FlexDraftError, match="vocabulary"):
     fd.generate(target, [[3, 4]], max_new_tokens=4, mode="parallel",
                 drafter=random_drafter(wide)._replace(target_fingerprint=""))
+
+
+def test_per_layer_target_decodes_alike_without_a_second_copy(target):
+  """A target loaded with layout="layers" is decoded as is (no per-layer copy
+  next to a stacked one), fits the same drafters and gives the same tokens."""
+  per_layer = target._replace(params=transformer.unstack_layers(target.params))
+  assert engine._decoding_params(per_layer.params) is per_layer.params
+  drafter = random_drafter(target, noise=0.5)
+  compat.check_compatible(drafter, per_layer)
+  with pytest.raises(fd.FlexDraftError, match="attention shapes"):
+    compat.check_compatible(drafter._replace(params=dict(
+        drafter.params, layers={k: v[..., :-1] for k, v in drafter.params["layers"].items()})),
+        per_layer)
+  # a drafter initialised from either layout is the same
+  dp = init_draft_params(per_layer.params, target.config, drafter.config, jax.random.PRNGKey(3))
+  ds = init_draft_params(target.params, target.config, drafter.config, jax.random.PRNGKey(3))
+  jax.tree.map(np.testing.assert_array_equal, dp, ds)
+  prompts = prompts_for(3, seed=5)
+  for mode in ("ar", "parallel", "sequential"):
+    a = fd.generate(target, prompts, max_new_tokens=20, drafter=drafter, mode=mode)
+    b = fd.generate(per_layer, prompts, max_new_tokens=20, drafter=drafter, mode=mode)
+    assert a.token_ids == b.token_ids, mode
+
+
+def test_decoding_copies_of_stacked_trees_are_bounded(target):
+  trees = [dict(target.params, embed=target.params["embed"] + 0) for _ in range(6)]
+  for t in trees:
+    engine._decoding_params(t)
+  assert len(engine._unstacked) <= engine._UNSTACKED_MAX
+  assert id(trees[-1]) in engine._unstacked and id(trees[0]) not in engine._unstacked
+  # a cached tree is served from the cache, not copied again
+  assert engine._decoding_params(trees[-1]) is engine._decoding_params(trees[-1])
 
 
 def test_prompt_longer_than_context_is_refused(target):

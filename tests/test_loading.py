@@ -74,6 +74,29 @@ def test_target_fields_and_leaf_shapes(tiny_hf):
   assert target.tokenizer is None  # this one was saved without a tokenizer
 
 
+@pytest.mark.parametrize("name", ["qwen3_tied", "qwen2_bias"])
+def test_per_layer_layout_holds_the_same_weights(tiny_hf, name):
+  stacked = load_target(tiny_hf[name][0])
+  per_layer = load_target(tiny_hf[name][0], layout="layers")
+  cfg, layers = per_layer.config, per_layer.params["layers"]
+  assert isinstance(layers, list) and len(layers) == cfg.num_layers
+  assert per_layer.fingerprint == stacked.fingerprint
+  for i, layer in enumerate(layers):
+    assert set(layer) == set(stacked.params["layers"])
+    for k, w in layer.items():
+      np.testing.assert_array_equal(w, stacked.params["layers"][k][i])
+  # the unrolled forward reads it and gives the stacked scan's logits
+  ids = np.random.default_rng(1).integers(0, cfg.vocab_size, (2, 7))
+  pos = jnp.broadcast_to(jnp.arange(7, dtype=jnp.int32), (2, 7))
+  cache = tr.KVCache.zeros(cfg, 2, 7, jnp.float32, per_layer=True)
+  with jax.default_matmul_precision("highest"):
+    h, _, _ = tr.forward(per_layer.params, cfg, cache, jnp.asarray(ids, jnp.int32), pos)
+    got = np.asarray(tr.logits(per_layer.params, cfg, h))
+  np.testing.assert_allclose(got, jax_logits(stacked, ids), atol=1e-5, rtol=0)
+  with pytest.raises(FlexDraftError, match="layout must be"):
+    load_target(tiny_hf[name][0], layout="rows")
+
+
 def test_sharded_equals_single_file(tiny_hf, sharded_llama_dir):
   single = load_target(tiny_hf["llama"][0])
   sharded = load_target(sharded_llama_dir)

@@ -7,6 +7,7 @@ chunks the host reads a few flags to pick the next mode / group bucket.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import time
@@ -230,16 +231,26 @@ def _with_block_size(drafter: Drafter, block_size: Optional[int]) -> Drafter:
   return drafter._replace(config=dataclasses.replace(drafter.config, block_size=block_size))
 
 
-_unstacked = {}
+# id(tree) -> (tree, per-layer copy); the few most recent trees (a target and
+# its drafters), so a long-lived process doesn't keep every tree it decoded.
+_unstacked = collections.OrderedDict()
+_UNSTACKED_MAX = 4
 
 
 def _decoding_params(tree):
-  """`tree` with per-layer weight arrays (cached per pytree object): decoding
-  reads each layer's weights in place instead of slicing a stacked array."""
+  """`tree` with per-layer weight arrays: decoding reads each layer's weights in
+  place instead of slicing a stacked array. A tree already in that layout
+  (`load_target(..., layout="layers")`) is used as is; a stacked one gets a
+  per-layer copy, cached per pytree object."""
+  if transformer.is_per_layer(tree):
+    return tree
   hit = _unstacked.get(id(tree))
   if hit is None or hit[0] is not tree:
     hit = (tree, transformer.unstack_layers(tree))
     _unstacked[id(tree)] = hit
+  _unstacked.move_to_end(id(tree))
+  while len(_unstacked) > _UNSTACKED_MAX:
+    _unstacked.popitem(last=False)
   return hit[1]
 
 

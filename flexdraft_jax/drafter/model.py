@@ -45,8 +45,10 @@ def init_draft_params(target_params, cfg: ModelConfig, dcfg: DrafterConfig,
   dcfg.validate(cfg)
   dtype = dtype or target_params["embed"].dtype
   s = cfg.num_layers - dcfg.num_layers
-  layers = {k: jnp.array(v[s:], dtype) for k, v in target_params["layers"].items()
-            if k in transformer.ATTN_KEYS}
+  n = cfg.num_layers
+  layers = {k: jnp.stack([transformer.layer_leaf(target_params, k, i) for i in range(s, n)]
+                         ).astype(dtype)
+            for k in transformer.layer_keys(target_params) if k in transformer.ATTN_KEYS}
   H, r = cfg.hidden_size, dcfg.calib_rank
   out = H if dcfg.calib_tied else cfg.vocab_size
   k_mask, k_w1 = jax.random.split(rng)

@@ -59,7 +59,7 @@ def main(argv=None) -> int:
   import flexdraft_jax as fd
   from flexdraft_jax.evaluation import sweep
   t0 = time.perf_counter()
-  target = fd.load_target(args.model)
+  target = fd.load_target(args.model, layout="layers")
   print(f"target {target.name}: {target.config.num_layers} layers, loaded in "
         f"{time.perf_counter() - t0:.1f}s on {jax.devices()[0].device_kind}", flush=True)
   config = sweep.default_config()

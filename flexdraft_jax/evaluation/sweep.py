@@ -345,7 +345,7 @@ def run_sweep(config, workdir: str, *, prompts: Optional[dict] = None, target=No
   from flexdraft_jax.evaluation import report
   os.makedirs(workdir, exist_ok=True)
   if target is None:
-    target = api.load_target(config.target, dtype=config.dtype)
+    target = api.load_target(config.target, dtype=config.dtype, layout="layers")
   if drafter is None:
     drafter, info = load_main_drafter(config, target)
   else:

@@ -109,7 +109,7 @@ class _GGUFTensors:
     return np.asarray(x, dtype=np.float32)
 
 
-def load_gguf(path: str, dtype) -> tuple:
+def load_gguf(path: str, dtype, layout: str = "stacked") -> tuple:
   """(ModelConfig, params, Tokenizer) of a GGUF file."""
   reader = _open(path)
   meta = _metadata(reader)
@@ -132,6 +132,6 @@ def load_gguf(path: str, dtype) -> tuple:
 
   params = weights.stack_params(
       cfg, lambda k: fetch(k, _GLOBAL_NAMES[k]),
-      lambda k, i: fetch(k, f"blk.{i}.{_LAYER_NAMES[k]}"), dtype)
+      lambda k, i: fetch(k, f"blk.{i}.{_LAYER_NAMES[k]}"), dtype, layout)
   tokenizer = Tokenizer.from_gguf_fields(meta)
   return cfg, params, tokenizer

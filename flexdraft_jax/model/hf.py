@@ -158,7 +158,7 @@ class SafetensorsIndex:
       raise FlexDraftError(f"cannot read tensor {name} from {file}: {e}") from e
 
 
-def load_hf_dir(path: str, dtype) -> tuple:
+def load_hf_dir(path: str, dtype, layout: str = "stacked") -> tuple:
   """(ModelConfig, params, Tokenizer or None) of an HF checkpoint directory."""
   cfg = read_config(path)
   store = SafetensorsIndex(path)
@@ -171,7 +171,7 @@ def load_hf_dir(path: str, dtype) -> tuple:
 
   params = weights.stack_params(
       cfg, lambda k: fetch(k, _GLOBAL_NAMES[k]),
-      lambda k, i: fetch(k, f"model.layers.{i}.{_LAYER_NAMES[k]}"), dtype)
+      lambda k, i: fetch(k, f"model.layers.{i}.{_LAYER_NAMES[k]}"), dtype, layout)
   tokenizer = None
   if os.path.isfile(os.path.join(path, "tokenizer.json")):
     tokenizer = Tokenizer.from_hf_dir(path, bos_token_id=cfg.bos_token_id,

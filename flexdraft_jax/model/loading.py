@@ -71,13 +71,17 @@ def _with_tokenizer_ids(cfg: ModelConfig, tokenizer: Optional[Tokenizer]) -> Mod
                              eos_token_ids=tokenizer.eos_token_ids or cfg.eos_token_ids)
 
 
-def load_target(spec: str, dtype="float32") -> Target:
+def load_target(spec: str, dtype="float32", layout: str = "stacked") -> Target:
   """Loads a target model.
 
   Args:
     spec: an HF safetensors directory (Llama / Qwen2 / Qwen3), a `.gguf` path, or
       a builtin name (see `BUILTINS`).
     dtype: dtype of the parameter leaves ("float32", "bfloat16", ...).
+    layout: "stacked" (layers on axis 0; what training scans over) or "layers"
+      (a list of per-layer dicts: what decoding reads). Decoding a stacked
+      target keeps a per-layer copy too, so decode-only jobs load "layers" and
+      hold the weights once.
   Raises:
     FlexDraftError: with a one-line message naming what is wrong.
   """
@@ -86,9 +90,9 @@ def load_target(spec: str, dtype="float32") -> Target:
   dtype = jnp.dtype(dtype)
   if kind == "hf":
     from flexdraft_jax.model.hf import load_hf_dir
-    cfg, params, tokenizer = load_hf_dir(path, dtype)
+    cfg, params, tokenizer = load_hf_dir(path, dtype, layout)
   else:
     from flexdraft_jax.model.gguf_loader import load_gguf
-    cfg, params, tokenizer = load_gguf(path, dtype)
+    cfg, params, tokenizer = load_gguf(path, dtype, layout)
   cfg = _with_tokenizer_ids(cfg, tokenizer)
   return Target(cfg, params, tokenizer, name, fingerprint(cfg, params))

@@ -266,16 +266,39 @@ def _forward_unrolled(params, cfg, cache, tokens_BxT, pos_BxT, draft, masks, s,
       B, M = masks.pos_BxM.shape
       hm = jnp.broadcast_to(draft["mask"].astype(h.dtype), (B, M, cfg.hidden_size))
     if i >= s and masks is not None:
-      dp = draft["layers"][i - s]
+      dl = draft["layers"]
+      dp = dl[i - s] if isinstance(dl, (list, tuple)) else _layer(dl, i - s)
     h, hm, ck[i], cv[i] = _layer_step(cfg, attn_impl, kv_block, params["layers"][i], dp,
                                       h, hm, ck[i], cv[i], None, pos_BxT, masks)
   return (h if tokens_BxT is not None else None), hm, KVCache(tuple(ck), tuple(cv))
 
 
+def is_per_layer(params) -> bool:
+  """Whether `params["layers"]` is a list of per-layer dicts (decoding layout)."""
+  return isinstance(params["layers"], (list, tuple))
+
+
+def layer_leaf(params, key: str, i: int):
+  """Layer i's weight `key`, in either layout (i may be negative)."""
+  layers = params["layers"]
+  return layers[i][key] if is_per_layer(params) else layers[key][i]
+
+
+def layer_keys(params) -> list:
+  """The per-layer weight names, in either layout."""
+  layers = params["layers"]
+  return list(layers[0] if is_per_layer(params) else layers)
+
+
 def unstack_layers(params):
-  """The same pytree with `layers` as a list of per-layer dicts (for decoding)."""
-  stacked = params["layers"]
-  if isinstance(stacked, (list, tuple)):
+  """The same pytree with `layers` as a list of per-layer dicts (for decoding).
+
+  Each layer's arrays are copies, so this holds the weights twice for as long
+  as the stacked tree is referenced; `load_target(..., layout="layers")` loads
+  the per-layer layout directly instead.
+  """
+  if is_per_layer(params):
     return params
+  stacked = params["layers"]
   n = len(next(iter(stacked.values())))
   return dict(params, layers=[{k: v[i] for k, v in stacked.items()} for i in range(n)])

@@ -15,6 +15,7 @@ from typing import Callable
 import jax.numpy as jnp
 import numpy as np
 
+from flexdraft_jax.model import transformer
 from flexdraft_jax.model.config import FlexDraftError, ModelConfig
 
 # fetch_global(key) / fetch_layer(key, i) -> host array in target layout.
@@ -50,10 +51,23 @@ def _checked(x: np.ndarray, want: tuple, what: str) -> np.ndarray:
 
 
 def stack_params(cfg: ModelConfig, fetch_global: FetchGlobal, fetch_layer: FetchLayer,
-                 dtype) -> dict:
-  """The target pytree; one key at a time so host memory stays at one stacked tensor."""
+                 dtype, layout: str = "stacked") -> dict:
+  """The target pytree; one key at a time so host memory stays at one stacked tensor.
+
+  layout: "stacked" (`layers[key]` is `[n, ...]`; training scans over it) or
+    "layers" (`layers[i][key]`: what decoding reads, without ever building the
+    stacked copy).
+  """
+  if layout not in ("stacked", "layers"):
+    raise FlexDraftError(f"layout must be 'stacked' or 'layers', got {layout!r}")
   params = {k: jnp.asarray(_checked(fetch_global(k), shape, k), dtype=dtype)
             for k, shape in global_shapes(cfg).items()}
+  if layout == "layers":
+    params["layers"] = [
+        {key: jnp.asarray(_checked(fetch_layer(key, i), shape, f"{key}[layer {i}]"),
+                          dtype=dtype) for key, shape in layer_shapes(cfg).items()}
+        for i in range(cfg.num_layers)]
+    return params
   layers = {}
   for key, shape in layer_shapes(cfg).items():
     per_layer = [_checked(fetch_layer(key, i), shape, f"{key}[layer {i}]")
@@ -70,11 +84,11 @@ _FINGERPRINT_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_la
 
 
 def _fingerprint_slices(params) -> list:
-  layers = params["layers"]
+  leaf = lambda k, i: transformer.layer_leaf(params, k, i)
   picks = [params["embed"][:8, :16], params["embed"][-8:, -16:],
-           params["final_norm"][:16], layers["input_norm"][-1, :16],
-           layers["q"][0, :16, :16], layers["k"][-1, -16:, -16:],
-           layers["down"][-1, :16, :16], layers["gate"][0, -16:, -16:]]
+           params["final_norm"][:16], leaf("input_norm", -1)[:16],
+           leaf("q", 0)[:16, :16], leaf("k", -1)[-16:, -16:],
+           leaf("down", -1)[:16, :16], leaf("gate", 0)[-16:, -16:]]
   if "lm_head" in params:
     picks.append(params["lm_head"][:16, :8])
   return picks

@@ -16,6 +16,7 @@ from typing import Any, NamedTuple
 import jax.numpy as jnp
 import numpy as np
 
+from flexdraft_jax.model import transformer
 from flexdraft_jax.model.config import FlexDraftError, ModelConfig
 
 
@@ -105,15 +106,18 @@ def random_target(name: str = "tiny", seed: int = 0, dtype=jnp.float32) -> Rando
                       f"random:{name}:{seed}", fp)
 
 
-def load(spec: str, dtype="float32"):
+def load(spec: str, dtype="float32", layout: str = "stacked"):
   """Loads a target by spec: `random:NAME[:SEED]` here, anything else through
-  `flexdraft_jax.model.loading.load_target`."""
+  `flexdraft_jax.model.loading.load_target` (see there for `layout`)."""
   dtype = jnp.dtype(dtype)
   if spec.startswith("random:"):
     parts = spec.split(":")
     if len(parts) > 3 or (len(parts) == 3 and not parts[2].isdigit()):
       raise FlexDraftError(f"random target spec must be random:NAME[:SEED], got {spec!r}")
-    return random_target(parts[1], int(parts[2]) if len(parts) == 3 else 0, dtype)
+    if layout not in ("stacked", "layers"):
+      raise FlexDraftError(f"layout must be 'stacked' or 'layers', got {layout!r}")
+    t = random_target(parts[1], int(parts[2]) if len(parts) == 3 else 0, dtype)
+    return t if layout == "stacked" else t._replace(params=transformer.unstack_layers(t.params))
   from flexdraft_jax.model import loading  # heavy (tokenizers, gguf): only when needed
-  return loading.load_target(spec, dtype)
+  return loading.load_target(spec, dtype, layout)
 
