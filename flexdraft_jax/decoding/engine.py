@@ -78,7 +78,7 @@ def _prefill(target_params, draft_params, prompt_BxP, plen_B, valid_B, key, *,
   B = prompt_BxP.shape[0]
   cache = transformer.KVCache.zeros(
       cfg, B, S, target_params["embed"].dtype,
-      per_layer=isinstance(target_params["layers"], (list, tuple)))
+      per_layer=transformer.is_per_layer(target_params))
   if cache_sharding is not None:
     cache = jax.lax.with_sharding_constraint(cache, cache_sharding)
   drafter = None if dcfg is None else Drafter(dcfg, draft_params)

@@ -109,8 +109,12 @@ def logits(params, cfg: ModelConfig, h_BxTxH):
                     preferred_element_type=jnp.float32)
 
 
-def _layer(stacked, i):
-  return jax.tree.map(lambda w: w[i], stacked)
+def _layer(layers, i):
+  """Layer i's weights from a per-layer list or a stacked dict (a traced i needs
+  the stacked one)."""
+  if isinstance(layers, (list, tuple)):
+    return layers[i]
+  return jax.tree.map(lambda w: w[i], layers)
 
 
 def _project_qkv(ap, x_BxTxH, pos_BxT, cfg: ModelConfig):
@@ -266,8 +270,7 @@ def _forward_unrolled(params, cfg, cache, tokens_BxT, pos_BxT, draft, masks, s,
       B, M = masks.pos_BxM.shape
       hm = jnp.broadcast_to(draft["mask"].astype(h.dtype), (B, M, cfg.hidden_size))
     if i >= s and masks is not None:
-      dl = draft["layers"]
-      dp = dl[i - s] if isinstance(dl, (list, tuple)) else _layer(dl, i - s)
+      dp = _layer(draft["layers"], i - s)
     h, hm, ck[i], cv[i] = _layer_step(cfg, attn_impl, kv_block, params["layers"][i], dp,
                                       h, hm, ck[i], cv[i], None, pos_BxT, masks)
   return (h if tokens_BxT is not None else None), hm, KVCache(tuple(ck), tuple(cv))

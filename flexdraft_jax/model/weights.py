@@ -50,6 +50,14 @@ def _checked(x: np.ndarray, want: tuple, what: str) -> np.ndarray:
   return x
 
 
+LAYOUTS = ("stacked", "layers")
+
+
+def check_layout(layout: str) -> None:
+  if layout not in LAYOUTS:
+    raise FlexDraftError(f"layout must be 'stacked' or 'layers', got {layout!r}")
+
+
 def stack_params(cfg: ModelConfig, fetch_global: FetchGlobal, fetch_layer: FetchLayer,
                  dtype, layout: str = "stacked") -> dict:
   """The target pytree; one key at a time so host memory stays at one stacked tensor.
@@ -58,8 +66,7 @@ def stack_params(cfg: ModelConfig, fetch_global: FetchGlobal, fetch_layer: Fetch
     "layers" (`layers[i][key]`: what decoding reads, without ever building the
     stacked copy).
   """
-  if layout not in ("stacked", "layers"):
-    raise FlexDraftError(f"layout must be 'stacked' or 'layers', got {layout!r}")
+  check_layout(layout)
   params = {k: jnp.asarray(_checked(fetch_global(k), shape, k), dtype=dtype)
             for k, shape in global_shapes(cfg).items()}
   if layout == "layers":

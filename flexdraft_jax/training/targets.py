@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 import jax.numpy as jnp
 import numpy as np
 
-from flexdraft_jax.model import transformer
+from flexdraft_jax.model import transformer, weights
 from flexdraft_jax.model.config import FlexDraftError, ModelConfig
 
 
@@ -114,8 +114,7 @@ def load(spec: str, dtype="float32", layout: str = "stacked"):
     parts = spec.split(":")
     if len(parts) > 3 or (len(parts) == 3 and not parts[2].isdigit()):
       raise FlexDraftError(f"random target spec must be random:NAME[:SEED], got {spec!r}")
-    if layout not in ("stacked", "layers"):
-      raise FlexDraftError(f"layout must be 'stacked' or 'layers', got {layout!r}")
+    weights.check_layout(layout)
     t = random_target(parts[1], int(parts[2]) if len(parts) == 3 else 0, dtype)
     return t if layout == "stacked" else t._replace(params=transformer.unstack_layers(t.params))
   from flexdraft_jax.model import loading  # heavy (tokenizers, gguf): only when needed
