@@ -187,13 +187,13 @@ def test_loss_weights_and_offline_tau():
   w = loss_lib.slot_weights(4, 2.0)
   np.testing.assert_allclose(w, [0.0, 1.0, np.exp(-0.5), np.exp(-1.0)], rtol=1e-6)
   V = 5
-  labels = jnp.array([[[0, 1, 2, 3], [0, 1, 2, 3]]])
-  pred = jnp.array([[[4, 1, 2, 0], [4, 0, 2, 3]]])  # anchor 0: 2 right, anchor 1: 0
+  labels = jnp.array([[[1, 2, 3], [1, 2, 3]]])     # slots 1..3 of two anchors
+  pred = jnp.array([[[1, 2, 0], [0, 2, 3]]])       # anchor 0: 2 right, anchor 1: 0
   logits = jax.nn.one_hot(pred, V)
-  valid = jnp.ones((1, 2, 4), bool).at[..., 0].set(False)
+  valid = jnp.ones((1, 2, 3), bool)
   m = loss_lib.offline_metrics(logits, labels, valid, jnp.ones((1, 2), bool))
   assert float(m["tau"]) == pytest.approx((3 + 1) / 2)
-  np.testing.assert_allclose(m["acc_S"][1:], [0.5, 1.0, 0.5])
+  np.testing.assert_allclose(m["acc_S"], [0.0, 0.5, 1.0, 0.5])
 
 
 # ----------------------------------------------------------------- steps ----
@@ -447,3 +447,125 @@ def test_metrics_log_csv_and_tensorboard(tmp_path):
   with open(tmp_path / "metrics.csv") as f:
     assert [r["step"] for r in csv.DictReader(f)] == ["1", "2"]  # rows past 2 dropped
 
+
+
+# ------------------------------------------------------- draft vocabulary ----
+
+def test_draft_vocabulary_takes_the_most_frequent_answer_tokens():
+  rec = lambda ans: data.Record("u", "s", np.array([9, 9, 9], np.int32),
+                                np.array(ans, np.int32))
+  recs = [rec([5, 5, 5, 3, 3, 7]), rec([3, 2, 2, 5])]
+  # counts: 5 ×4, 3 ×3, 2 ×2, 7 ×1; prompt tokens (9) do not count; stop id 0 first
+  np.testing.assert_array_equal(data.draft_vocabulary(recs, 4, 12, always=[0]),
+                                [0, 5, 3, 2])
+  np.testing.assert_array_equal(data.draft_vocabulary(recs, 6, 12), [5, 3, 2, 7, 0, 1])
+  with pytest.raises(Exception, match="exceeds the target's vocabulary"):
+    data.draft_vocabulary(recs, 13, 12)
+
+
+def test_precomputed_kv_in_length_buckets_equals_one_pass(regen, target):
+  cfg = tiny.tiny_config(regen[0])
+  dcfg = train.drafter_config(cfg)
+  recs = data.load_records(regen[0])
+  packer = data.Packer(recs, seq_len=cfg.train.seq_len, anchors=2, block_size=4,
+                       pad_id=0, seed=0)
+  rep = jax.sharding.NamedSharding(sharding.make_mesh(data=-1, model=1),
+                                   jax.sharding.PartitionSpec())
+  tc = types.SimpleNamespace(batch_size=3, attn_impl="xla")
+  k, v = train.precompute_deep_kv(packer, target.params, target.config, dcfg, tc, rep)
+  toks = np.stack([packer.tokens(r)[0] for r in recs])
+  k1, v1 = loss_lib.deep_kv(target.params, target.config, toks, dcfg.num_layers)
+  for i, r in enumerate(recs):
+    n = packer.tokens(r)[1]
+    np.testing.assert_allclose(k[i, :, :, :n], k1[i, :, :, :n], atol=2e-5)
+    np.testing.assert_allclose(v[i, :, :, :n], v1[i, :, :, :n], atol=2e-5)
+
+
+def test_training_with_a_draft_vocabulary(regen, target, tmp_path):
+  cfg = tiny.tiny_config(regen[0], num_steps=6, eval_every=3)
+  cfg.drafter.draft_vocab = 8
+  result = train.train(cfg, str(tmp_path))
+  vocab = np.load(tmp_path / "draft_vocab.npy")
+  answers = np.concatenate([r.answer_ids for r in data.load_records(regen[0])])
+  assert set(np.unique(answers)) <= set(vocab.tolist())  # 6 distinct answer tokens
+  assert target.config.eos_token_ids[0] in vocab.tolist()
+  d = drafter_ckpt.load_drafter(str(tmp_path / "final_drafter"), target)
+  assert d.config.draft_vocab == 8
+  np.testing.assert_array_equal(np.asarray(d.params["vocab"]), vocab)
+  assert d.params["vocab"].dtype == jnp.int32
+  assert d.params["calib"]["w2"].shape == (cfg.drafter.calib_rank, 8)
+  assert result.summary["mask_rows"] == 6 * cfg.train.batch_size * \
+      cfg.train.anchors_per_seq * cfg.drafter.block_size
+  rows = _read_csv(tmp_path / "metrics.csv")
+  ev = [r for r in rows if r["eval_tau"]]
+  assert len(ev) == 2 and all(0 <= float(r["eval_acc_1"]) <= 1 for r in ev)
+  # it decodes losslessly
+  import flexdraft_jax as fd
+  prompts = [r.prompt_ids.tolist() for r in data.load_records(regen[0])[:3]]
+  ref = fd.generate(target, prompts, max_new_tokens=12)
+  out = fd.generate(target, prompts, max_new_tokens=12, drafter=d, mode="sequential")
+  assert out.token_ids == ref.token_ids
+
+
+def test_warm_start_keeps_weights_and_matches_calibration_by_token_id(target):
+  cfg = target.config
+  full_cfg = DrafterConfig(num_layers=2, block_size=4, calib_rank=16)
+  src = init_draft_params(target.params, cfg, full_cfg, jax.random.PRNGKey(1))
+  src["calib"]["w2"] = jax.random.normal(jax.random.PRNGKey(2), src["calib"]["w2"].shape)
+  src["calib"]["b2"] = jnp.arange(cfg.vocab_size, dtype=jnp.float32)
+  src["layers"]["q"] = src["layers"]["q"] + 1.0
+  vocab = np.array([7, 3, 100, 0], np.int32)
+  dcfg = DrafterConfig(num_layers=2, block_size=4, calib_rank=16, draft_vocab=4,
+                       per_slot_mask=True)
+  fresh = init_draft_params(target.params, cfg, dcfg, jax.random.PRNGKey(0), vocab=vocab)
+  from flexdraft_jax.drafter.model import Drafter
+  out = train.warm_start(fresh, Drafter(full_cfg, src), cfg, dcfg)
+  np.testing.assert_array_equal(out["layers"]["q"], src["layers"]["q"])
+  np.testing.assert_array_equal(out["calib"]["w2"], np.asarray(src["calib"]["w2"])[:, vocab])
+  np.testing.assert_array_equal(out["calib"]["b2"], vocab.astype(np.float32))
+  assert out["mask"].shape == (4, cfg.hidden_size)          # per slot, each the source's
+  np.testing.assert_array_equal(out["mask"][2], src["mask"])
+  with pytest.raises(Exception, match="draft layers"):
+    train.warm_start(fresh, Drafter(full_cfg, dict(src, layers={
+        k: v[:1] for k, v in src["layers"].items()})), cfg, dcfg)
+
+
+def test_per_slot_masks_equal_to_one_vector_change_nothing(target):
+  cfg = target.config
+  one = DrafterConfig(num_layers=2, block_size=4, calib_rank=16)
+  per = DrafterConfig(num_layers=2, block_size=4, calib_rank=16, per_slot_mask=True)
+  p = init_draft_params(target.params, cfg, one, jax.random.PRNGKey(0))
+  q = dict(p, mask=jnp.tile(p["mask"][None], (4, 1)))
+  assert init_draft_params(target.params, cfg, per, jax.random.PRNGKey(0))["mask"].shape \
+      == (4, cfg.hidden_size)
+  toks = jnp.asarray(np.random.RandomState(0).randint(3, 90, size=(2, 20)), jnp.int32)
+  batch = {"tokens_BxT": toks, "length_B": jnp.array([20, 15], jnp.int32),
+           "anchor_BxK": jnp.array([[3, 8], [2, 9]], jnp.int32),
+           "anchor_ok_BxK": jnp.ones((2, 2), bool)}
+  a = loss_lib.loss_sums(p, target.params, cfg, one, batch)[0]
+  b = loss_lib.loss_sums(q, target.params, cfg, per, batch)[0]
+  np.testing.assert_allclose(a, b, rtol=1e-6)
+  q2 = dict(q, mask=q["mask"].at[2].add(0.5))               # slot 2 differs: loss moves
+  assert abs(float(loss_lib.loss_sums(q2, target.params, cfg, per, batch)[0]) - float(a)) > 1e-4
+
+
+def test_packed_dataset_round_trips_and_continues(regen, tmp_path):
+  regen_dir, recs = regen
+  with open(os.path.join(regen_dir, "meta.json"), "w") as f:
+    json.dump({"target_fingerprint": "fp-x", "max_new_tokens": 12}, f)
+  info = data.pack_regen(regen_dir, str(tmp_path / "p.npz"))
+  assert info["records"] == len(recs)
+  fresh = str(tmp_path / "fresh")
+  assert data.unpack_regen(str(tmp_path / "p.npz"), fresh) == len(recs)
+  got, want = data.load_records(fresh), data.load_records(regen_dir)
+  assert [r.uid for r in got] == [r.uid for r in want]
+  for g, w in zip(got, want):
+    np.testing.assert_array_equal(g.prompt_ids, w.prompt_ids)
+    np.testing.assert_array_equal(g.answer_ids, w.answer_ids)
+  assert data.unpack_regen(str(tmp_path / "p.npz"), fresh) == 0   # nothing new
+  with open(os.path.join(fresh, "meta.json"), "w") as f:
+    json.dump({"target_fingerprint": "other"}, f)
+  with pytest.raises(Exception, match="holds answers of target other"):
+    data.unpack_regen(str(tmp_path / "p.npz"), fresh)
+  with pytest.raises(Exception, match="no packed regenerated dataset"):
+    data.unpack_regen(str(tmp_path / "missing.npz"), fresh)

@@ -25,7 +25,8 @@ import ml_dtypes
 import numpy as np
 from safetensors import numpy as st_numpy
 
-from flexdraft_jax.drafter.model import Drafter, DrafterConfig, init_draft_params
+from flexdraft_jax.drafter.model import (Drafter, DrafterConfig, check_vocab,
+                                         init_draft_params)
 from flexdraft_jax.model.config import FlexDraftError
 
 FORMAT = "flexdraft-drafter"
@@ -77,8 +78,8 @@ def save_drafter(path: str, drafter: Drafter, target, *,
     raise FlexDraftError(
         f"drafter was made for target fingerprint {fingerprint}, not "
         f"{target.fingerprint} ({target.name})")
-  flat = {k: np.asarray(jax.device_get(v)).astype(ml_dtypes.bfloat16)
-          for k, v in flatten(drafter.params).items()}
+  flat = {k: _stored(np.asarray(jax.device_get(v)))
+          for k, v in flatten(drafter.params).items() if k != "head"}
   meta = {"format": FORMAT, "version": VERSION,
           "config": dataclasses.asdict(drafter.config),
           "target": target_record(target),
@@ -102,6 +103,13 @@ def save_drafter(path: str, drafter: Drafter, target, *,
     shutil.rmtree(tmp, ignore_errors=True)
     raise
   return path
+
+
+def _stored(x: np.ndarray) -> np.ndarray:
+  """Weights as bf16; integer leaves (the draft vocabulary) as int32."""
+  if np.issubdtype(x.dtype, np.integer):
+    return x.astype(np.int32)
+  return x.astype(ml_dtypes.bfloat16)
 
 
 def read_meta(path: str) -> dict:
@@ -156,9 +164,12 @@ def load_drafter(path: str, target) -> Drafter:
                          f"{str(e).splitlines()[0] if str(e) else type(e).__name__}"
                          ) from None
   dtype = target.params["embed"].dtype
+  vocab = None
+  if dcfg.draft_vocab:
+    vocab = jax.ShapeDtypeStruct((dcfg.draft_vocab,), jnp.int32)
   expected = flatten(jax.eval_shape(
       lambda tp: init_draft_params(tp, target.config, dcfg, jax.random.PRNGKey(0),
-                                   dtype), target.params))
+                                   dtype, vocab=vocab), target.params))
   if sorted(flat) != sorted(expected):
     missing = sorted(set(expected) - set(flat)) or sorted(set(flat) - set(expected))
     raise FlexDraftError(f"corrupt drafter at {path}: tensors do not match its "
@@ -167,8 +178,10 @@ def load_drafter(path: str, target) -> Drafter:
     if tuple(v.shape) != tuple(expected[k].shape):
       raise FlexDraftError(f"corrupt drafter at {path}: {k} has shape "
                            f"{tuple(v.shape)}, expected {tuple(expected[k].shape)}")
-  params = unflatten({k: jnp.asarray(v.astype(np.float32), dtype)
-                      for k, v in flat.items()})
+  if "vocab" in flat:
+    check_vocab(flat["vocab"], dcfg.draft_vocab, target.config.vocab_size)
+  params = unflatten({k: jnp.asarray(v) if k == "vocab" else
+                      jnp.asarray(v.astype(np.float32), dtype) for k, v in flat.items()})
   return Drafter(dcfg, params, meta["target"]["fingerprint"])
 
 

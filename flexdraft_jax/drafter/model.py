@@ -20,6 +20,10 @@ class DrafterConfig:
   calib_rank: int = 256      # r: hidden width of the calibration MLP.
   calib_tied: bool = False   # low-rank head 2H -> r -> H, then the tied LM head.
   calibrate: bool = True     # apply the calibration MLP when drafting (ablation: off).
+  # K > 0: drafts come from the K ids in `params["vocab"]` only (SPEC §7): the
+  # draft head is those rows of the LM head and calibration outputs K logits.
+  draft_vocab: int = 0
+  per_slot_mask: bool = False  # a learned mask vector per block slot ([bs, H]).
 
   def validate(self, cfg: ModelConfig):
     if not 1 <= self.num_layers <= cfg.num_layers:
@@ -29,6 +33,9 @@ class DrafterConfig:
       raise FlexDraftError(f"block_size={self.block_size} must be at least 2")
     if self.calib_rank < 1:
       raise FlexDraftError(f"calib_rank={self.calib_rank} must be at least 1")
+    if not 0 <= self.draft_vocab <= cfg.vocab_size:
+      raise FlexDraftError(f"draft_vocab={self.draft_vocab} must be in [0, "
+                           f"{cfg.vocab_size}] (0: the full vocabulary)")
 
 
 class Drafter(NamedTuple):
@@ -39,9 +46,12 @@ class Drafter(NamedTuple):
 
 
 def init_draft_params(target_params, cfg: ModelConfig, dcfg: DrafterConfig,
-                      rng: jax.Array, dtype=None):
+                      rng: jax.Array, dtype=None, vocab=None):
   """Draft pytree: attention copies of the last L target layers, a random mask
-  vector (0.02·N(0,1)) and a calibration MLP whose last layer is zero (identity)."""
+  vector (0.02·N(0,1)) and a calibration MLP whose last layer is zero (identity).
+
+  With `dcfg.draft_vocab` = K, `vocab` (K distinct ids) becomes the int32 leaf
+  `params["vocab"]` — not trainable (see `trainable`)."""
   dcfg.validate(cfg)
   dtype = dtype or target_params["embed"].dtype
   s = cfg.num_layers - dcfg.num_layers
@@ -50,10 +60,11 @@ def init_draft_params(target_params, cfg: ModelConfig, dcfg: DrafterConfig,
                          ).astype(dtype)
             for k in transformer.layer_keys(target_params) if k in transformer.ATTN_KEYS}
   H, r = cfg.hidden_size, dcfg.calib_rank
-  out = H if dcfg.calib_tied else cfg.vocab_size
+  out = H if dcfg.calib_tied else (dcfg.draft_vocab or cfg.vocab_size)
   k_mask, k_w1 = jax.random.split(rng)
-  return {
-      "mask": (0.02 * jax.random.normal(k_mask, (H,))).astype(dtype),
+  mask_shape = (dcfg.block_size, H) if dcfg.per_slot_mask else (H,)
+  params = {
+      "mask": (0.02 * jax.random.normal(k_mask, mask_shape)).astype(dtype),
       "layers": layers,
       "calib": {
           "w1": (jax.random.normal(k_w1, (2 * H, r)) / np.sqrt(2 * H)).astype(dtype),
@@ -62,29 +73,82 @@ def init_draft_params(target_params, cfg: ModelConfig, dcfg: DrafterConfig,
           "b2": jnp.zeros((out,), dtype),
       },
   }
+  if dcfg.draft_vocab:
+    params["vocab"] = check_vocab(vocab, dcfg.draft_vocab, cfg.vocab_size)
+  return params
+
+
+def check_vocab(vocab, size: int, vocab_size: int) -> jax.Array:
+  """`vocab` as int32 `[size]` of distinct ids in [0, vocab_size), or a one-line error."""
+  if vocab is None:
+    raise FlexDraftError(f"draft_vocab={size} needs the vocabulary ids (see "
+                         "drafter.vocab.frequent_tokens)")
+  if isinstance(vocab, jax.ShapeDtypeStruct):  # shapes only (jax.eval_shape)
+    return jnp.zeros(vocab.shape, jnp.int32)
+  v = np.asarray(vocab)
+  if v.shape != (size,) or not np.issubdtype(v.dtype, np.integer):
+    raise FlexDraftError(f"draft vocabulary must be {size} integer ids, got "
+                         f"shape {v.shape} {v.dtype}")
+  if v.min() < 0 or v.max() >= vocab_size or len(np.unique(v)) != size:
+    raise FlexDraftError(f"draft vocabulary ids must be distinct and in [0, {vocab_size})")
+  return jnp.asarray(v, jnp.int32)
+
+
+def trainable(params) -> dict:
+  """The draft pytree without its integer vocabulary (what gets gradients)."""
+  return {k: v for k, v in params.items() if k != "vocab"}
+
+
+def draft_head(target_params, cfg: ModelConfig, draft_params):
+  """The draft LM head `[V', H]`: the LM head's rows of the draft vocabulary, or
+  all of them. Decoding builds it once per call (`params["head"]`); training
+  gathers it inside the step."""
+  if "head" in draft_params:
+    return draft_params["head"]
+  head = target_params["embed"] if cfg.tie_embeddings else target_params["lm_head"].T
+  if "vocab" in draft_params:
+    head = jnp.take(head, draft_params["vocab"], axis=0)
+  return head
 
 
 def calibration_bias(target_params, cfg: ModelConfig, dcfg: DrafterConfig,
-                     calib, x_BxMxH, bonus_BxM):
-  """The bonus-guided bias `[B, M, V]` added to draft logits (fp32)."""
+                     calib, x_BxMxH, bonus_BxM, head_VxH=None):
+  """The bonus-guided bias `[B, M, V']` added to draft logits (fp32)."""
   e = transformer.embed(target_params, bonus_BxM).astype(x_BxMxH.dtype)
   z = jax.nn.silu(jnp.concatenate([e, x_BxMxH], -1) @ calib["w1"] + calib["b1"])
   out = z @ calib["w2"] + calib["b2"]
   if not dcfg.calib_tied:
     return out.astype(jnp.float32)
-  head = target_params["embed"] if cfg.tie_embeddings else target_params["lm_head"].T
-  return jnp.einsum("BMH,VH->BMV", out, head, preferred_element_type=jnp.float32)
+  return jnp.einsum("BMH,VH->BMV", out, head_VxH, preferred_element_type=jnp.float32)
 
 
 def draft_logits(target_params, cfg: ModelConfig, drafter: Drafter,
                  hm_BxMxH, bonus_BxM, *, calibrate: bool = True):
-  """Calibrated draft logits `[B, M, V]` from mask hidden states (pre final norm)."""
-  base = transformer.logits(target_params, cfg, hm_BxMxH)
+  """Calibrated draft logits `[B, M, V']` from mask hidden states (pre final
+  norm); V' is the draft vocabulary (`to_token_ids` maps indices to ids)."""
+  head = draft_head(target_params, cfg, drafter.params)
+  x = transformer.rms_norm(hm_BxMxH, target_params["final_norm"], cfg.rms_norm_eps)
+  base = jnp.einsum("BMH,VH->BMV", x, head, preferred_element_type=jnp.float32)
   if not (calibrate and drafter.config.calibrate):
     return base
-  x = transformer.rms_norm(hm_BxMxH, target_params["final_norm"], cfg.rms_norm_eps)
   return base + calibration_bias(target_params, cfg, drafter.config,
-                                 drafter.params["calib"], x, bonus_BxM)
+                                 drafter.params["calib"], x, bonus_BxM, head)
+
+
+def to_token_ids(draft_params, idx):
+  """Draft-vocabulary indices -> the target's token ids."""
+  if "vocab" not in draft_params:
+    return idx
+  return jnp.take(draft_params["vocab"], idx, axis=0)
+
+
+def to_full_vocab(draft_params, probs_BxMxK, vocab_size: int):
+  """Draft-vocabulary probabilities scattered into the target's vocabulary
+  (zero outside the draft vocabulary)."""
+  if "vocab" not in draft_params:
+    return probs_BxMxK
+  full = jnp.zeros(probs_BxMxK.shape[:-1] + (vocab_size,), probs_BxMxK.dtype)
+  return full.at[..., draft_params["vocab"]].set(probs_BxMxK)
 
 
 def num_params(tree) -> int:

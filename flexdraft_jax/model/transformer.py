@@ -60,6 +60,19 @@ class MaskRows(NamedTuple):
   group_M: jax.Array
 
 
+def mask_input(draft, masks: MaskRows, dtype):
+  """Mask rows' hidden states at the split layer: the learned mask vector `[H]`,
+  or per-slot vectors `[bs, H]`: row m gets the vector of its slot, its index
+  within its group (groups are contiguous runs of `group_M`, in order)."""
+  B, M = masks.pos_BxM.shape
+  mask = draft["mask"].astype(dtype)
+  if mask.ndim == 2:
+    group = masks.group_M.astype(jnp.int32)
+    slot = jnp.arange(M) - jnp.searchsorted(group, group, side="left")
+    mask = mask[jnp.minimum(slot, mask.shape[0] - 1)]
+  return jnp.broadcast_to(mask, (B, M, mask.shape[-1]))
+
+
 def rms_norm(x, w, eps):
   x32 = x.astype(jnp.float32)
   x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
@@ -232,8 +245,7 @@ def forward(params, cfg: ModelConfig, cache: KVCache,
   if masks is None:
     return h, None, KVCache(ck, cv)
 
-  B, M = masks.pos_BxM.shape
-  hm = jnp.broadcast_to(draft["mask"].astype(h.dtype), (B, M, cfg.hidden_size))
+  hm = mask_input(draft, masks, h.dtype)
 
   def deep(carry, i):
     h, hm, ck, cv = carry
@@ -267,8 +279,7 @@ def _forward_unrolled(params, cfg, cache, tokens_BxT, pos_BxT, draft, masks, s,
   for i in range(first, cfg.num_layers):
     dp = None
     if i == s and masks is not None:
-      B, M = masks.pos_BxM.shape
-      hm = jnp.broadcast_to(draft["mask"].astype(h.dtype), (B, M, cfg.hidden_size))
+      hm = mask_input(draft, masks, h.dtype)
     if i >= s and masks is not None:
       dp = _layer(draft["layers"], i - s)
     h, hm, ck[i], cv[i] = _layer_step(cfg, attn_impl, kv_block, params["layers"][i], dp,

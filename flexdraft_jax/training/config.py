@@ -35,10 +35,14 @@ def base_config(name: str) -> ml_collections.ConfigDict:
   c.dtype = "float32"             # target compute dtype (fp32 is fastest on CPU)
 
   c.drafter = ml_collections.ConfigDict(dict(
-      num_layers=4, block_size=16, calib_rank=256, calib_tied=False))
+      num_layers=4, block_size=16, calib_rank=256, calib_tied=False,
+      draft_vocab=0, per_slot_mask=False))
 
   c.data = ml_collections.ConfigDict()
   c.data.regen_dir = os.path.join(runs_root(), "regen", name)
+  # A packed regenerated dataset (data.pack_regen) to start from: unpacked into
+  # regen_dir by `train` and `regenerate` (which then answers the rest).
+  c.data.packed = ""
   c.data.mix = ml_collections.ConfigDict(dict(
       gsm8k=400, mbpp=200, arena_hard_v01=100, arena_hard_v20=100))
   c.data.paths = ml_collections.ConfigDict(dict(
@@ -58,6 +62,7 @@ def base_config(name: str) -> ml_collections.ConfigDict:
       lr=1e-3, warmup_steps=50, num_steps=2000, weight_decay=0.01,
       clip_norm=1.0, b1=0.9, b2=0.95, seed=0,
       log_every=10, eval_every=100, num_eval=32, eval_batch_size=8,
+      eval_anchors=0,  # anchor blocks per held-out sequence (0: anchors_per_seq)
       ckpt_every=100, max_to_keep=3, stop_at_step=0, attn_impl="xla",
       # Compute the deep layers' clean K/V of every sequence once and keep it in
       # host memory instead of a clean pass per step (CE loss only; memory
@@ -65,7 +70,10 @@ def base_config(name: str) -> ml_collections.ConfigDict:
       precompute_kv=False,
       # Where that cache lives (default WORKDIR/deep_kv). Runs that share one
       # directory share the clean pass; a cache for L layers serves any L' <= L.
-      deep_kv_dir=""))
+      deep_kv_dir="",
+      # A saved drafter to start from (warm start, fresh optimizer): its mask and
+      # attention as they are, calibration columns matched by token id.
+      init_from=""))
 
   c.mesh = ml_collections.ConfigDict(dict(data=-1, model=1))
   c.distributed = ml_collections.ConfigDict(dict(

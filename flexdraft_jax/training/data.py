@@ -156,6 +156,87 @@ def build_dataset(regen_dir: str) -> str:
   return builder.data_path.__fspath__()
 
 
+# ---------------------------------------------------------------- packed ----
+# A regenerated dataset in one compressed file that can live in a repository:
+# every record's prompt + answer ids back to back (uint16 where the vocabulary
+# allows), with lengths, uids, sources and stop flags; meta.json alongside.
+
+def pack_regen(regen_dir: str, path: str) -> dict:
+  """Writes the shards of `regen_dir` to the compressed `path` (.npz); returns
+  counts for the dataset card."""
+  recs = sorted(read_shards(regen_dir), key=lambda r: r["uid"])
+  if not recs:
+    raise FlexDraftError(f"no regenerated shards in {shard_dir(regen_dir)}")
+  ids = np.concatenate([np.asarray(r["prompt_ids"] + r["answer_ids"], np.int64)
+                        for r in recs])
+  dtype = np.uint16 if ids.max() < 2 ** 16 else np.int32
+  with open(os.path.join(regen_dir, "meta.json")) as f:
+    meta = json.load(f)
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  tmp = path + ".tmp.npz"
+  np.savez_compressed(
+      tmp, ids=ids.astype(dtype),
+      prompt_len=np.array([len(r["prompt_ids"]) for r in recs], np.int32),
+      answer_len=np.array([len(r["answer_ids"]) for r in recs], np.int32),
+      uid=np.array([r["uid"] for r in recs]), source=np.array([r["source"] for r in recs]),
+      stopped=np.array([bool(r.get("stopped")) for r in recs]),
+      meta=np.array(json.dumps(meta)))
+  os.replace(tmp, path)
+  return {"records": len(recs), "answer_tokens": int(sum(len(r["answer_ids"]) for r in recs)),
+          "bytes": os.path.getsize(path)}
+
+
+def use_packed(data_cfg) -> None:
+  """Unpacks `data_cfg.packed` (if set) into `data_cfg.regen_dir`, adding the
+  records it does not hold yet, so training and regeneration start from it."""
+  packed = data_cfg.get("packed", "")
+  if packed:
+    added = unpack_regen(packed, os.path.abspath(data_cfg.regen_dir))
+    if added:
+      print(f"data: {added} regenerated answers from {packed} -> {data_cfg.regen_dir}",
+            flush=True)
+
+
+def unpack_regen(path: str, regen_dir: str) -> int:
+  """Writes a packed dataset into `regen_dir` as one shard + meta.json (answers
+  already there are kept, so `regenerate` continues from both) and rebuilds the
+  tfds dataset; returns the number of records added."""
+  if not os.path.isfile(path):
+    raise FlexDraftError(f"no packed regenerated dataset at {path}")
+  with np.load(path) as z:
+    ids, plen, alen = z["ids"].astype(np.int64), z["prompt_len"], z["answer_len"]
+    uids, sources, stopped = z["uid"], z["source"], z["stopped"]
+    meta = json.loads(str(z["meta"]))
+  meta_path = os.path.join(regen_dir, "meta.json")
+  if os.path.exists(meta_path):
+    with open(meta_path) as f:
+      old = json.load(f)
+    if old.get("target_fingerprint") != meta.get("target_fingerprint"):
+      raise FlexDraftError(f"{regen_dir} holds answers of target "
+                           f"{old.get('target_fingerprint')}, {path} of "
+                           f"{meta.get('target_fingerprint')}")
+  else:
+    os.makedirs(regen_dir, exist_ok=True)
+    with open(meta_path, "w") as f:
+      json.dump(meta, f, indent=1)
+  done = {r["uid"] for r in read_shards(regen_dir)}
+  ends = np.cumsum(plen + alen)
+  out = []
+  for i, end in enumerate(ends):
+    if str(uids[i]) in done:
+      continue
+    start = end - plen[i] - alen[i]
+    out.append({"uid": str(uids[i]), "source": str(sources[i]),
+                "prompt_ids": ids[start:start + plen[i]].tolist(),
+                "answer_ids": ids[start + plen[i]:end].tolist(),
+                "stopped": bool(stopped[i])})
+  if out:
+    write_shard(regen_dir, next_shard_index(regen_dir), out)
+  if out or not glob.glob(os.path.join(tfds_dir(regen_dir), DATASET_NAME, "*")):
+    build_dataset(regen_dir)
+  return len(out)
+
+
 @dataclasses.dataclass
 class Record:
   uid: str
@@ -191,6 +272,22 @@ def split_eval(records: list, num_eval: int) -> tuple:
   held = set(order[:num_eval])
   return ([r for i, r in enumerate(records) if i not in held],
           [r for i, r in enumerate(records) if i in held])
+
+
+def draft_vocabulary(records: list, size: int, vocab_size: int, always=()) -> np.ndarray:
+  """The `size` most frequent answer tokens of `records` (SPEC §7), most frequent
+  first (ties: lower id first); the ids in `always` (stop tokens) are kept in.
+  With fewer distinct tokens than `size`, the rest are the lowest unused ids."""
+  if size > vocab_size:
+    raise FlexDraftError(f"draft_vocab={size} exceeds the target's vocabulary "
+                         f"({vocab_size})")
+  counts = np.zeros((vocab_size,), np.int64)
+  for r in records:
+    counts += np.bincount(r.answer_ids, minlength=vocab_size)[:vocab_size]
+  always = [int(t) for t in always if 0 <= int(t) < vocab_size]
+  counts[always] = np.iinfo(np.int64).max  # first, whatever their count
+  order = np.lexsort((np.arange(vocab_size), -counts))
+  return order[:size].astype(np.int32)
 
 
 # --------------------------------------------------------------- packing ----

@@ -79,7 +79,9 @@ def loss_sums(draft_params, target_params, cfg: ModelConfig, dcfg: DrafterConfig
   B, T = tokens.shape
   K = anchor.shape[1]
   dtype = target_params["embed"].dtype
-  draft = jax.tree.map(lambda x: x.astype(dtype), draft_params)
+  draft = jax.tree.map(
+      lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x,
+      draft_params)
 
   if "deep_k" in batch:  # clean K/V computed ahead of time (see deep_kv)
     if loss_type == "kl":
@@ -94,44 +96,73 @@ def loss_sums(draft_params, target_params, cfg: ModelConfig, dcfg: DrafterConfig
                                  draft=draft, masks=masks,
                                  num_draft_layers=dcfg.num_layers,
                                  attn_impl=attn_impl)
-  pos_BxM = jnp.minimum(masks.pos_BxM, T - 1)
+  # Slot 0 (on the bonus) takes part in the deep layers but drafts nothing:
+  # its head and calibration are skipped. S = bs - 1 slots from here on.
+  S = bs - 1
+  hm = hm.reshape(B, K, bs, -1)[:, :, 1:].reshape(B, K * S, -1)
+  pos_BxKxS = masks.pos_BxM.reshape(B, K, bs)[:, :, 1:]
   bonus_BxM = jnp.repeat(jnp.take_along_axis(tokens, jnp.minimum(anchor + 1, T - 1),
-                                             axis=1), bs, axis=1)
+                                             axis=1), S, axis=1)
   logits = draft_logits(target_params, cfg, Drafter(dcfg, draft), hm, bonus_BxM)
-  logits_BxKxSxV = logits.reshape(B, K, bs, -1)
-  label_BxKxS = jnp.take_along_axis(tokens, pos_BxM, axis=1).reshape(B, K, bs)
-  valid_BxKxS = ((masks.pos_BxM < length[:, None]).reshape(B, K, bs)
-                 & anchor_ok[:, :, None] & (jnp.arange(bs) >= 1))
+  logits_BxKxSxV = logits.reshape(B, K, S, -1)
+  label_BxKxS = jnp.take_along_axis(
+      tokens, jnp.minimum(pos_BxKxS, T - 1).reshape(B, K * S), axis=1).reshape(B, K, S)
+  valid_BxKxS = (pos_BxKxS < length[:, None, None]) & anchor_ok[:, :, None]
+  # Labels as draft-vocabulary indices; a token outside it can never be drafted:
+  # no loss, and it counts as a miss.
+  label_BxKxS, in_vocab = _draft_index(draft, cfg, label_BxKxS)
   logp = jax.nn.log_softmax(logits_BxKxSxV, axis=-1)
   if loss_type == "ce":
     per_BxKxS = -jnp.take_along_axis(logp, label_BxKxS[..., None], axis=-1)[..., 0]
   elif loss_type == "kl":
-    # The target's own distribution for the token at p comes from position p-1.
-    prev = jnp.maximum(pos_BxM - 1, 0)
+    # The target's own distribution for the token at p comes from position p-1
+    # (restricted to the draft vocabulary).
+    prev = jnp.maximum(pos_BxKxS.reshape(B, K * S) - 1, 0)
     h_prev = jnp.take_along_axis(h_clean, prev[..., None], axis=1)
-    t_logp = jax.nn.log_softmax(transformer.logits(target_params, cfg, h_prev), -1)
-    t_logp = jax.lax.stop_gradient(t_logp).reshape(logp.shape)
+    t_logits = transformer.logits(target_params, cfg, h_prev)
+    if "vocab" in draft:
+      t_logits = jnp.take(t_logits, draft["vocab"], axis=-1)
+    t_logp = jax.lax.stop_gradient(jax.nn.log_softmax(t_logits, -1)).reshape(logp.shape)
     per_BxKxS = jnp.sum(jnp.exp(t_logp) * (t_logp - logp), axis=-1)
   else:
     raise ValueError(f"loss_type must be ce or kl, got {loss_type!r}")
-  w_BxKxS = valid_BxKxS * slot_weights(bs, gamma)
+  w_BxKxS = valid_BxKxS * in_vocab * slot_weights(bs, gamma)[1:]
   loss_num = jnp.sum(per_BxKxS * w_BxKxS)
-  sums = offline_sums(logits_BxKxSxV, label_BxKxS, valid_BxKxS, anchor_ok)
+  sums = offline_sums(logits_BxKxSxV, label_BxKxS, valid_BxKxS, anchor_ok,
+                      in_vocab_BxKxS=in_vocab)
   sums.update(weight=jnp.sum(w_BxKxS), loss_num=jax.lax.stop_gradient(loss_num))
   return loss_num, sums
 
 
-def offline_sums(logits_BxKxSxV, label_BxKxS, valid_BxKxS, anchor_ok_BxK) -> dict:
-  """Counts behind per-slot accuracy and offline τ.
+def _draft_index(draft, cfg: ModelConfig, label_BxKxS):
+  """(index in the draft vocabulary, whether the label is in it)."""
+  if "vocab" not in draft:
+    return label_BxKxS, jnp.ones(label_BxKxS.shape, bool)
+  vocab = draft["vocab"]
+  inverse = jnp.full((cfg.vocab_size,), -1, jnp.int32).at[vocab].set(
+      jnp.arange(vocab.shape[0], dtype=jnp.int32))
+  idx = inverse[label_BxKxS]
+  return jnp.maximum(idx, 0), idx >= 0
 
-  τ at an anchor = 1 + number of leading slots 1..bs-1 whose argmax equals the
-  true continuation (a slot past the sequence end stops the run).
+
+def offline_sums(logits_BxKxSxV, label_BxKxS, valid_BxKxS, anchor_ok_BxK,
+                 in_vocab_BxKxS=None) -> dict:
+  """Counts behind per-slot accuracy and offline τ, over the drafting slots
+  1..bs-1 (S = bs - 1 of them; `correct_S`/`n_slot_S` get a zero slot 0 in
+  front so index j is slot j).
+
+  τ at an anchor = 1 + number of leading slots whose argmax equals the true
+  continuation (a slot past the sequence end, or a label outside the draft
+  vocabulary, stops the run).
   """
   correct = (jnp.argmax(logits_BxKxSxV, -1) == label_BxKxS) & valid_BxKxS
-  run = jnp.cumprod(correct[:, :, 1:].astype(jnp.int32), axis=-1)
+  if in_vocab_BxKxS is not None:
+    correct &= in_vocab_BxKxS
+  run = jnp.cumprod(correct.astype(jnp.int32), axis=-1)
   tau_BxK = 1.0 + jnp.sum(run, axis=-1)
-  return {"correct_S": jnp.sum(correct, axis=(0, 1)).astype(jnp.float32),
-          "n_slot_S": jnp.sum(valid_BxKxS, axis=(0, 1)).astype(jnp.float32),
+  slot0 = lambda x: jnp.pad(x, (1, 0))
+  return {"correct_S": slot0(jnp.sum(correct, axis=(0, 1)).astype(jnp.float32)),
+          "n_slot_S": slot0(jnp.sum(valid_BxKxS, axis=(0, 1)).astype(jnp.float32)),
           "tau_sum": jnp.sum(tau_BxK * anchor_ok_BxK),
           "n_anchor": jnp.sum(anchor_ok_BxK).astype(jnp.float32)}
 

@@ -72,6 +72,7 @@ def regenerate(config, *, limit: int = 0, max_minutes: float = 0.0) -> dict:
           "max_prompt_tokens": dc.max_prompt_tokens, "greedy": True}
   _check_meta(regen_dir, meta)
   os.makedirs(regen_dir, exist_ok=True)
+  data.use_packed(dc)
 
   done = {r["uid"] for r in data.read_shards(regen_dir)}
   todo, skipped = [], 0

@@ -32,7 +32,8 @@ import tqdm
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from flexdraft_jax.drafter import checkpoint as drafter_ckpt
-from flexdraft_jax.drafter.model import Drafter, DrafterConfig, init_draft_params
+from flexdraft_jax.drafter.model import (Drafter, DrafterConfig, init_draft_params,
+                                         trainable)
 from flexdraft_jax.model.config import FlexDraftError
 from flexdraft_jax.training import data, loss as loss_lib, sharding, targets
 from flexdraft_jax.training.metrics_log import MetricsLog
@@ -68,8 +69,9 @@ def drafter_config(config) -> DrafterConfig:
   return DrafterConfig(**dict(config.drafter))
 
 
-def make_steps(cfg, dcfg, tx, schedule, tc, shardings: dict, mesh):
-  """Jitted (train_step, eval_step) with explicit shardings.
+def make_steps(cfg, dcfg, tx, schedule, tc, shardings: dict, mesh, fixed=None):
+  """Jitted (train_step, eval_step) with explicit shardings; `fixed` holds the
+  draft pytree's untrained leaves (the draft vocabulary), closed over.
 
   With a pure data-parallel mesh (model axis 1) the per-shard work runs under
   `shard_map` and one all-reduce sums gradients and statistics: a single
@@ -77,15 +79,18 @@ def make_steps(cfg, dcfg, tx, schedule, tc, shardings: dict, mesh):
   devices). With a model axis, GSPMD partitions the whole step.
   """
   kw = dict(gamma=tc.gamma, loss_type=tc.loss, attn_impl=tc.attn_impl)
+  fixed = fixed or {}
 
   def grads_and_sums(params, target_params, batch):
-    f = lambda p: loss_lib.loss_sums(p, target_params, cfg, dcfg, batch, **kw)
+    f = lambda p: loss_lib.loss_sums(dict(p, **fixed), target_params, cfg, dcfg,
+                                     batch, **kw)
     (_, sums), grads = jax.value_and_grad(f, has_aux=True)(params)
     sums["tokens"] = jnp.sum(batch["length_B"]).astype(jnp.float32)
     return grads, sums
 
   def eval_sums(params, target_params, batch):
-    return loss_lib.loss_sums(params, target_params, cfg, dcfg, batch, **kw)[1]
+    return loss_lib.loss_sums(dict(params, **fixed), target_params, cfg, dcfg,
+                              batch, **kw)[1]
 
   if mesh.shape["model"] == 1:
     def summed(fn):
@@ -105,7 +110,7 @@ def make_steps(cfg, dcfg, tx, schedule, tc, shardings: dict, mesh):
     return TrainState(state.step + 1, params, opt_state), m
 
   def eval_step(params, target_params, batch):
-    return loss_lib.finalize(eval_sums(params, target_params, batch))
+    return eval_sums(params, target_params, batch)
 
   rep = shardings["replicated"]
   train = jax.jit(train_step, donate_argnums=(0,),
@@ -129,10 +134,18 @@ def _abstract(tree):
                                                      sharding=x.sharding), tree)
 
 
-def _mean_metrics(ms: list) -> dict:
-  n = sum(m["n_anchor"] for m in ms)
-  tau = sum(m["tau"] * m["n_anchor"] for m in ms) / max(n, 1)
-  return {"eval_tau": tau, "eval_loss": float(np.mean([m["loss"] for m in ms]))}
+EVAL_SLOTS = 4  # eval rows log the accuracy of drafting slots 1..EVAL_SLOTS
+
+
+def _eval_metrics(sums: list) -> dict:
+  """Held-out τ, loss and per-slot accuracy from the eval batches' summed counts."""
+  total = {k: sum(np.asarray(s[k], np.float64) for s in sums) for k in sums[0]}
+  m = loss_lib.finalize(total)
+  out = {"eval_tau": float(m["tau"]), "eval_loss": float(m["loss"])}
+  acc = np.asarray(m["acc_S"])
+  out.update({f"eval_acc_{j}": float(acc[j]) if j < len(acc) else 0.0
+              for j in range(1, EVAL_SLOTS + 1)})
+  return out
 
 
 def _setup(config, workdir=None):
@@ -145,18 +158,33 @@ def _setup(config, workdir=None):
     raise FlexDraftError(f"seq_len={tc.seq_len} is too short for block_size="
                          f"{dcfg.block_size}")
 
+  data.use_packed(config.data)
   records = data.load_records(config.data.regen_dir)
   train_recs, eval_recs = data.split_eval(records, min(tc.num_eval, len(records) // 5))
-  pack = functools.partial(data.Packer, seq_len=tc.seq_len, anchors=tc.anchors_per_seq,
-                           block_size=dcfg.block_size, pad_id=cfg.pad_token_id,
-                           seed=tc.seed)
-  packers = (pack(train_recs), pack(eval_recs) if eval_recs else None)
+  pack = functools.partial(data.Packer, seq_len=tc.seq_len, block_size=dcfg.block_size,
+                           pad_id=cfg.pad_token_id, seed=tc.seed)
+  packers = (pack(train_recs, anchors=tc.anchors_per_seq),
+             pack(eval_recs, anchors=tc.eval_anchors or tc.anchors_per_seq)
+             if eval_recs else None)
 
   mesh = sharding.make_mesh(**dict(config.mesh))
   tx, schedule = make_optimizer(tc)
+  vocab = None
+  if dcfg.draft_vocab:
+    vocab = _draft_vocab(workdir, train_recs, dcfg.draft_vocab, cfg)
   # Every process computes the same initial drafter from the same target.
   draft0 = jax.device_get(init_draft_params(
-      target.params, cfg, dcfg, jax.random.PRNGKey(tc.seed), jnp.float32))
+      target.params, cfg, dcfg, jax.random.PRNGKey(tc.seed), jnp.float32, vocab=vocab))
+  init_mask_rows = 0
+  if tc.init_from:
+    draft0 = warm_start(draft0, drafter_ckpt.load_drafter(tc.init_from, target), cfg,
+                        dcfg)
+    # The learning curve goes on from the rows the source drafter has seen.
+    init_mask_rows = int(drafter_ckpt.read_meta(tc.init_from).get("training", {})
+                         .get("mask_rows", 0))
+  # The vocabulary is data, not a weight: it stays out of the trained state.
+  fixed = {k: v for k, v in draft0.items() if k == "vocab"}
+  draft0 = trainable(draft0)
   target_sh = sharding.param_shardings(target.params, mesh)
   target_params = sharding.put_global(jax.device_get(target.params), target_sh)
   params_sh = sharding.param_shardings(draft0, mesh)
@@ -175,31 +203,42 @@ def _setup(config, workdir=None):
                                     tc, rep, name)
         kv_dir = tc.deep_kv_dir or (workdir and os.path.join(workdir, "deep_kv"))
         p.deep_kv = _cached_deep_kv(kv_dir, name, target.fingerprint, p, dcfg, compute)
-  steps = make_steps(cfg, dcfg, tx, schedule, tc, shardings_, mesh)
+  steps = make_steps(cfg, dcfg, tx, schedule, tc, shardings_, mesh,
+                     jax.device_put(fixed, rep))
   # Keep only what exports need; the params now live in `target_params`.
   ref = types.SimpleNamespace(config=cfg, name=target.name, fingerprint=target.fingerprint)
   info = {"target": ref, "records": len(records), "train_records": len(train_recs),
-          "eval_records": len(eval_recs)}
+          "eval_records": len(eval_recs), "fixed_params": fixed,
+          "init_mask_rows": init_mask_rows}
   return state, target_params, packers, steps, mesh, info
 
 
 def precompute_deep_kv(packer, target_params, cfg, dcfg, tc, replicated, name="train"):
-  """The deep layers' clean K/V of every record, once, in fixed batches (so a
-  resumed run computes the same values): replaces the per-step clean pass."""
+  """The deep layers' clean K/V of every record, once: replaces the per-step
+  clean pass. Records go in length order, each batch cut to its longest
+  sequence (rounded up to 64; causal attention makes the padding irrelevant),
+  and the result is laid out `[N, L, K, seq_len, D]` in record order."""
   fn = jax.jit(lambda tp, toks: loss_lib.deep_kv(
       tp, cfg, toks, dcfg.num_layers, attn_impl=tc.attn_impl),
                out_shardings=(replicated, replicated))
-  n, bsz = len(packer.records), tc.batch_size
-  ks, vs = [], []
+  n, bsz, T = len(packer.records), tc.batch_size, packer.seq_len
+  toks_lens = [packer.tokens(r) for r in packer.records]
+  order = sorted(range(n), key=lambda i: toks_lens[i][1])
+  ks = vs = None
   for start in tqdm.trange(0, n, bsz, desc=f"clean K/V ({name})",
                            disable=jax.process_index() != 0, dynamic_ncols=True):
-    idx = [min(start + b, n - 1) for b in range(bsz)]
-    toks = np.stack([packer.tokens(packer.records[i])[0] for i in idx])
+    idx = [order[min(start + b, n - 1)] for b in range(bsz)]
+    width = min(T, -(-max(toks_lens[i][1] for i in idx) // 64) * 64)
+    toks = np.stack([toks_lens[i][0][:width] for i in idx])
     k, v = fn(target_params, sharding.put_global(toks, replicated))
+    k, v = (np.asarray(x.addressable_data(0)) for x in (k, v))
+    if ks is None:
+      ks = np.zeros((n,) + k.shape[1:3] + (T,) + k.shape[4:], k.dtype)
+      vs = np.zeros_like(ks)
     take = min(bsz, n - start)
-    ks.append(np.asarray(k.addressable_data(0))[:take])
-    vs.append(np.asarray(v.addressable_data(0))[:take])
-  return np.concatenate(ks), np.concatenate(vs)
+    ks[idx[:take], :, :, :width] = k[:take]
+    vs[idx[:take], :, :, :width] = v[:take]
+  return ks, vs
 
 
 def _cached_deep_kv(d, name, fingerprint, packer, dcfg, compute):
@@ -233,8 +272,57 @@ def _cached_deep_kv(d, name, fingerprint, packer, dcfg, compute):
   return kv
 
 
-def _host_drafter(config, state: TrainState, fingerprint: str) -> Drafter:
-  return Drafter(drafter_config(config), sharding.to_host(state.params), fingerprint)
+def _host_drafter(config, state: TrainState, fingerprint: str, fixed=None) -> Drafter:
+  params = dict(sharding.to_host(state.params), **jax.device_get(fixed or {}))
+  return Drafter(drafter_config(config), params, fingerprint)
+
+
+def _draft_vocab(workdir, records, size: int, cfg) -> np.ndarray:
+  """The draft vocabulary of a run: made from the training records once and
+  kept in WORKDIR/draft_vocab.npy, so a resumed run keeps it when data is added."""
+  path = workdir and os.path.join(workdir, "draft_vocab.npy")
+  if path and os.path.exists(path):
+    vocab = np.load(path)
+    if vocab.shape != (size,):
+      raise FlexDraftError(f"{path} holds {vocab.shape[0]} ids, the config asks "
+                           f"draft_vocab={size}; use a new --workdir")
+    return vocab
+  vocab = data.draft_vocabulary(records, size, cfg.vocab_size, cfg.eos_token_ids)
+  if path and jax.process_index() == 0:
+    os.makedirs(workdir, exist_ok=True)
+    np.save(path + ".tmp.npy", vocab)
+    os.replace(path + ".tmp.npy", path)
+  return vocab
+
+
+def warm_start(params, source: Drafter, cfg, dcfg) -> dict:
+  """`params` (a fresh draft pytree) with the weights of a trained drafter: the
+  mask and attention as they are, the calibration output columns matched by
+  token id (ids the source never drafted start at zero)."""
+  src = source.params
+  out = jax.tree.map(np.asarray, params)
+  if src["layers"]["q"].shape != out["layers"]["q"].shape:
+    raise FlexDraftError(f"init_from drafter has draft layers of shape "
+                         f"{src['layers']['q'].shape}, this config "
+                         f"{out['layers']['q'].shape}")
+  out["layers"] = jax.tree.map(np.asarray, src["layers"])
+  out["mask"] = np.broadcast_to(np.asarray(src["mask"]), out["mask"].shape).copy()
+  for k in ("w1", "b1"):
+    out["calib"][k] = np.asarray(src["calib"][k])
+  w2, b2 = np.asarray(src["calib"]["w2"]), np.asarray(src["calib"]["b2"])
+  if source.config.calib_tied or dcfg.calib_tied or w2.shape[0] != out["calib"]["w2"].shape[0]:
+    if w2.shape != out["calib"]["w2"].shape:
+      raise FlexDraftError("init_from drafter's calibration MLP does not match this "
+                           f"config ({w2.shape} vs {out['calib']['w2'].shape})")
+    out["calib"]["w2"], out["calib"]["b2"] = w2, b2
+    return out
+  src_ids = np.asarray(src["vocab"]) if "vocab" in src else np.arange(cfg.vocab_size)
+  full_w2 = np.zeros((w2.shape[0], cfg.vocab_size), w2.dtype)
+  full_b2 = np.zeros((cfg.vocab_size,), b2.dtype)
+  full_w2[:, src_ids], full_b2[src_ids] = w2, b2
+  dst_ids = np.asarray(out["vocab"]) if "vocab" in out else np.arange(cfg.vocab_size)
+  out["calib"]["w2"], out["calib"]["b2"] = full_w2[:, dst_ids], full_b2[dst_ids]
+  return out
 
 
 def _restore(mngr, state):
@@ -278,11 +366,13 @@ def train(config, workdir: str) -> TrainResult:
   is_main = jax.process_index() == 0
   state, target_params, packers, steps, mesh, info = _setup(config, workdir)
   (packer, eval_packer), target = packers, info.pop("target")
+  fixed = info.pop("fixed_params")
   mngr = _checkpoint_manager(workdir, tc)
   start, state, meta = _restore(mngr, state)
   end = min(tc.stop_at_step, tc.num_steps) if tc.stop_at_step else tc.num_steps
-  columns = (["step", "loss", "tau", "lr", "grad_norm", "tokens_seen", "steps_per_s"]
-             + [f"acc_{j}" for j in range(1, bs)] + ["eval_tau", "eval_loss"])
+  columns = (["step", "mask_rows", "loss", "tau", "lr", "grad_norm", "tokens_seen",
+              "steps_per_s"] + [f"acc_{j}" for j in range(1, bs)]
+             + ["eval_tau", "eval_loss"] + [f"eval_acc_{j}" for j in range(1, EVAL_SLOTS + 1)])
   log = MetricsLog(workdir, columns, enabled=is_main, resume_step=start)
   if is_main:
     print(f"train: {sharding.describe(mesh)}; {info['train_records']} train / "
@@ -290,13 +380,16 @@ def train(config, workdir: str) -> TrainResult:
   record = lambda: {
       "target": target.name, "regen_dir": os.path.abspath(config.data.regen_dir),
       "mix": dict(config.data.mix), **info, "steps": int(sharding.scalar(state.step)),
-      "tokens_seen": meta["tokens_seen"], "best_eval_tau": meta["best_tau"],
+      "tokens_seen": meta["tokens_seen"], "mask_rows": meta["mask_rows"],
+      "best_eval_tau": meta["best_tau"],
       "best_step": meta["best_step"], "config": config.name}
   evaluating = eval_packer is not None and tc.eval_every > 0
   if jax.process_count() > 1 and start < end:
     steps = _compile_ahead(steps, state, target_params, packers, mesh, tc, start)
   train_step, eval_step = steps
   rows = sharding.local_rows(tc.batch_size)
+  rows_per_step = tc.batch_size * tc.anchors_per_seq * bs  # mask rows, global
+  meta.setdefault("mask_rows", info.pop("init_mask_rows") + start * rows_per_step)
 
   bar = tqdm.tqdm(total=end, initial=start, disable=not is_main, dynamic_ncols=True)
   t_last, s_last = time.perf_counter(), start
@@ -306,10 +399,14 @@ def train(config, workdir: str) -> TrainResult:
     state, m = train_step(state, target_params, batch)
     m = jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), m)
     meta["tokens_seen"] += int(m["tokens"])
+    meta["mask_rows"] += rows_per_step
     done, row = step + 1, {}
     if done % tc.log_every == 0 or done == end:
       now = time.perf_counter()
       row = _train_row(m, meta, bs, (done - s_last) / max(now - t_last, 1e-9))
+    if done % tc.log_every == 0 or done == end or (
+        evaluating and done % tc.eval_every == 0):
+      row["mask_rows"] = meta["mask_rows"]
       t_last, s_last = now, done
       bar.set_postfix(loss=f"{row['loss']:.3f}", tau=f"{row['tau']:.2f}")
     if evaluating and (done % tc.eval_every == 0 or done == end):
@@ -318,7 +415,7 @@ def train(config, workdir: str) -> TrainResult:
       if ev["eval_tau"] > meta["best_tau"]:
         meta["best_tau"], meta["best_step"] = ev["eval_tau"], done
         _export(os.path.join(workdir, "best_drafter"), config, state, target,
-                record(), is_main)
+                record(), is_main, fixed)
       bar.write(f"step {done}: eval tau {ev['eval_tau']:.3f} loss {ev['eval_loss']:.3f} "
                 f"(best {meta['best_tau']:.3f} @ {meta['best_step']})")
     if row:
@@ -332,7 +429,7 @@ def train(config, workdir: str) -> TrainResult:
   mngr.close()
   log.close()
 
-  final = _host_drafter(config, state, target.fingerprint)
+  final = _host_drafter(config, state, target.fingerprint, fixed)
   summary = record()
   if is_main:
     drafter_ckpt.save_drafter(os.path.join(workdir, "final_drafter"), final, target,
@@ -347,16 +444,15 @@ def train(config, workdir: str) -> TrainResult:
 
 def _evaluate(eval_step, params, target_params, packer, mesh, tc) -> dict:
   rows = sharding.local_rows(tc.eval_batch_size)
-  ms = []
+  sums = []
   for b in packer.eval_batches(tc.eval_batch_size, rows):
     m = eval_step(params, target_params, sharding.put_batch(b, mesh, tc.eval_batch_size))
-    ms.append({k: float(np.asarray(m[k].addressable_data(0)))
-               for k in ("tau", "loss", "n_anchor")})
-  return _mean_metrics(ms)
+    sums.append({k: np.asarray(v.addressable_data(0)) for k, v in m.items()})
+  return _eval_metrics(sums)
 
 
-def _export(path, config, state, target, record, is_main) -> bool:
-  drafter = _host_drafter(config, state, target.fingerprint)  # every process
+def _export(path, config, state, target, record, is_main, fixed=None) -> bool:
+  drafter = _host_drafter(config, state, target.fingerprint, fixed)  # every process
   if is_main:
     drafter_ckpt.save_drafter(path, drafter, target, training=record)
   return is_main
