@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, NamedTuple
 
 import jax
@@ -73,10 +74,10 @@ def top2_gap(target, ids):
   return float(top[1] - top[0])
 
 
-def bigram_drafter(target, num_layers=2, scale=30.0):
-  """A block-size-2 drafter that drafts the target's favourite successor of the
-  bonus token — built in closed form through the calibration MLP, so drafts are
-  often accepted (acceptance paths get exercised) without any training.
+def bigram_drafter(target, num_layers=2, scale=30.0, block_size=2):
+  """A drafter whose every slot drafts the target's favourite successor of the
+  bonus token — built in closed form through the calibration MLP, so first
+  drafts are often accepted (acceptance paths get exercised) without training.
 
   w1 maps embed(bonus) to a one-hot of the bonus id; w2 maps that one-hot to a
   large logit on f(bonus) = argmax of the target after the single token bonus.
@@ -84,8 +85,8 @@ def bigram_drafter(target, num_layers=2, scale=30.0):
   from flexdraft_jax import target_logits
   cfg = target.config
   V, H = cfg.vocab_size, cfg.hidden_size
-  d = random_drafter(target, num_layers=num_layers, block_size=2)
-  dcfg = DrafterConfig(num_layers=num_layers, block_size=2, calib_rank=V)
+  d = random_drafter(target, num_layers=num_layers, block_size=block_size)
+  dcfg = DrafterConfig(num_layers=num_layers, block_size=block_size, calib_rank=V)
   succ = np.asarray(target_logits(target, np.arange(V)[:, None]))[:, 0].argmax(-1)
   E = np.asarray(target.params["embed"], np.float64)
   w1 = np.zeros((2 * H, V))
@@ -96,3 +97,15 @@ def bigram_drafter(target, num_layers=2, scale=30.0):
   params["calib"] = {"w1": jnp.asarray(w1, jnp.float32), "b1": jnp.zeros((V,)),
                      "w2": jnp.asarray(w2, jnp.float32), "b2": jnp.zeros((V,))}
   return Drafter(dcfg, params, target.fingerprint)
+
+
+def vocab_drafter(drafter, ids):
+  """`drafter` restricted to the draft vocabulary `ids` (SPEC §7): the same
+  weights, calibration columns taken by id. Where the full drafter's argmax is
+  in `ids`, both draft the same token."""
+  ids = np.asarray(ids, np.int32)
+  c = drafter.params["calib"]
+  params = dict(drafter.params, vocab=jnp.asarray(ids),
+                calib=dict(c, w2=c["w2"][:, ids], b2=c["b2"][ids]))
+  dcfg = dataclasses.replace(drafter.config, draft_vocab=len(ids))
+  return Drafter(dcfg, params, drafter.target_fingerprint)

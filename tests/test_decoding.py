@@ -1,6 +1,7 @@
 """Lossless decoding: every mode equals AR at T=0; the engine's mechanics."""
 
 import json
+import types
 
 import jax
 import numpy as np
@@ -11,7 +12,8 @@ from flexdraft_jax.decoding import engine, flex
 from flexdraft_jax.drafter import compat
 from flexdraft_jax.drafter.model import init_draft_params
 from flexdraft_jax.model import transformer
-from tests.decoding_util import random_drafter, tiny_target, top2_gap
+from tests.decoding_util import (bigram_drafter, random_drafter, tiny_target, top2_gap,
+                                 vocab_drafter)
 
 MODES = [("parallel", 0.0), ("parallel", 0.3), ("sequential", 0.0), ("flex", 0.3)]
 
@@ -109,7 +111,8 @@ def test_no_recompilation_after_warmup(target):
 def cost_cache(tmp_path, monkeypatch):
   """flex's on-disk step-cost cache, in a temporary file."""
   path = str(tmp_path / "step_costs.json")
-  monkeypatch.setattr(flex, "COST_CACHE", path)
+  monkeypatch.setenv("FLEXDRAFT_COST_CACHE", path)
+  monkeypatch.setattr(flex, "_COSTS_IN_MEMORY", {})
   return path
 
 
@@ -127,8 +130,8 @@ def count_chunks(monkeypatch) -> list:
 def test_flex_auto_picks_the_fastest_predicted_mode(target, cost_cache, monkeypatch, cheapest):
   def measure(self, state):  # one mode costs 1 s a step, the others 100 s
     cost = lambda m: 1.0 if m == cheapest else 100.0
-    return {"ar": cost("ar"), "sequential": cost("sequential"),
-            "parallel": {str(g): cost("parallel") for g in self.buckets}}
+    return {"ar": cost("ar"),
+            **{m: {str(k): cost(m) for k in self.buckets} for m in ("sequential", "parallel")}}
   monkeypatch.setattr(flex.Driver, "_measure", measure)
   prompts = prompts_for(3, seed=4)
   drafter = random_drafter(target, block_size=4, noise=0.5)
@@ -154,12 +157,19 @@ def test_flex_auto_measures_once_per_shape(target, cost_cache, monkeypatch):
     out = fd.generate(target, prompts, max_new_tokens=24, drafter=drafter, mode="flex")
     assert_lossless(target, prompts, ref.token_ids, out.token_ids)
   buckets = engine.group_buckets(4, engine.SpecOptions())
-  assert sorted(timed) == sorted(["ar", "sequential"] + ["parallel"] * len(buckets))
+  # AR, and each mode at the shortest and longest verify length
+  assert sorted(timed) == ["ar", "parallel", "parallel", "sequential", "sequential"]
   with open(cost_cache) as f:
     (costs,) = json.load(f).values()
-  assert costs["ar"] > 0 and costs["sequential"] > 0
-  assert sorted(costs["parallel"]) == sorted(str(g) for g in buckets)
+  assert costs["ar"] > 0 and costs["measured_k"] == [buckets[0], buckets[-1]]
+  for mode in ("sequential", "parallel"):
+    assert sorted(costs[mode]) == sorted(str(g) for g in buckets)
+    lo, mid, hi = (costs[mode][str(k)] for k in buckets)
+    assert min(lo, hi) <= mid <= max(lo, hi)  # interpolated between the two
   assert out.stats["step_costs"] == {"2": costs}  # seconds per step at 2 rows
+  (choice,) = out.stats["flex_choices"].values()
+  assert set(choice["tokens_per_s"]) == {"ar"} | {
+      f"{m}:{k}" for m in ("sequential", "parallel") for k in buckets}
 
 
 def test_group_buckets():
@@ -261,3 +271,121 @@ def test_oracle_drafts_are_accepted_and_parallel_branch_equals_sequential(target
     assert int(par.bonus_B[0]) == ref[k + 1]
     np.testing.assert_array_equal(par.drafts_BxD, seq.drafts_BxD)
     np.testing.assert_allclose(par.conf_BxD, seq.conf_BxD, rtol=1e-5)
+
+
+def test_draft_vocabulary_maps_drafts_back_to_token_ids():
+  target = tiny_target(vocab=16, eos=0, scale=0.5, seed=4)
+  full = bigram_drafter(target)  # drafts the target's favourite successor
+  succ = set(np.asarray(fd.target_logits(target, np.arange(16)[:, None]))[:, 0]
+             .argmax(-1).tolist())
+  rest = [t for t in range(16) if t not in succ]
+  # Shuffled, so a draft-vocabulary index is not the token id it stands for.
+  ids = np.random.RandomState(0).permutation(sorted(succ) + rest[:2])
+  small = vocab_drafter(full, ids)
+  assert small.params["calib"]["w2"].shape == (16, len(ids))
+  prompts = prompts_for(4)
+  prompts = [[t % 16 for t in p] for p in prompts]
+  ref = fd.generate(target, prompts, max_new_tokens=24, stop=[])
+  for mode in ("sequential", "parallel"):
+    a = fd.generate(target, prompts, max_new_tokens=24, stop=[], drafter=full, mode=mode)
+    b = fd.generate(target, prompts, max_new_tokens=24, stop=[], drafter=small, mode=mode)
+    assert_lossless(target, prompts, ref.token_ids, a.token_ids)
+    assert_lossless(target, prompts, ref.token_ids, b.token_ids)
+    assert a.stats["tau"] > 1.05  # drafts get accepted
+    assert b.stats["tau"] == a.stats["tau"]   # the very same drafts
+  # Without the successors they can never be drafted: fewer accepted, still lossless.
+  none = vocab_drafter(full, rest)
+  c = fd.generate(target, prompts, max_new_tokens=24, stop=[], drafter=none,
+                  mode="sequential")
+  assert_lossless(target, prompts, ref.token_ids, c.token_ids)
+  assert c.stats["tau"] < a.stats["tau"]
+
+
+@pytest.mark.parametrize("mode", ["sequential", "parallel", "flex"])
+def test_every_verify_length_equals_ar(target, mode):
+  prompts = prompts_for(3, seed=8)
+  drafter = random_drafter(target, block_size=8, noise=0.5)
+  ref = fd.generate(target, prompts, max_new_tokens=30)
+  buckets = engine.group_buckets(8, engine.SpecOptions())
+  assert buckets == (2, 3, 5, 8)
+  for k in buckets:
+    out = fd.generate(target, prompts, max_new_tokens=30, drafter=drafter, mode=mode,
+                      verify_len=k, flex_threshold=1)
+    assert_lossless(target, prompts, ref.token_ids, out.token_ids)
+    # every step verified a block of k positions: at most k tokens per step
+    assert {g for g, _ in out.stats["group_counts"]} == {k}
+    assert len(out.stats["accept_hist"]) == 9 and sum(out.stats["accept_hist"][k + 1:]) == 0
+
+
+def test_short_verify_length_keeps_accepting_the_same_drafts():
+  # Drafting runs the trained block whatever k is: the first k - 1 drafts are
+  # the same, so a k = 2 run accepts exactly where the first draft is right.
+  target = tiny_target(vocab=16, eos=0, scale=0.5, seed=4)
+  drafter = bigram_drafter(target, block_size=4)
+  prompts = [[t % 16 for t in p] for p in prompts_for(4)]
+  ref = fd.generate(target, prompts, max_new_tokens=24, stop=[])
+  full = fd.generate(target, prompts, max_new_tokens=24, stop=[], drafter=drafter,
+                     mode="sequential")
+  short = fd.generate(target, prompts, max_new_tokens=24, stop=[], drafter=drafter,
+                      mode="sequential", verify_len=2)
+  assert short.token_ids == full.token_ids == ref.token_ids
+  assert 1.05 < short.stats["tau"] <= full.stats["tau"]
+  with pytest.raises(fd.FlexDraftError, match="exceeds the block size"):
+    fd.generate(target, prompts, drafter=drafter, mode="sequential", verify_len=5)
+
+
+def _driver(bs=8, verify_len=None):
+  drafter = types.SimpleNamespace(config=types.SimpleNamespace(block_size=bs))
+  opts = engine.SpecOptions(verify_len=verify_len)
+  return flex.Driver(None, drafter, "flex", opts, {}, {}, 1, 64)
+
+
+def _conf_state(conf):
+  conf = np.asarray(conf, np.float32)[None]
+  return types.SimpleNamespace(conf_BxD=conf, done_B=np.zeros(1, bool))
+
+
+def test_tau_by_length_from_counts_and_confidence():
+  d = _driver()
+  assert d.buckets == (2, 3, 5, 8)
+  state = _conf_state([0.5] * 7)
+  # Nothing verified yet: the drafts' confidences. τ(k) = 1 + Σ_{i<k} 0.5^i
+  tau = d.tau_by_length(state)
+  assert tau[2] == pytest.approx(1.5) and tau[8] == pytest.approx(2 - 0.5 ** 7)
+  # 100 steps at k = 3: 80 accepted slot 1, 40 of those slot 2 (hist index a + 1)
+  d._count_acceptance(np.array([0, 20, 40, 40, 0, 0, 0, 0, 0]), 3)
+  assert d.verified[1:3].tolist() == [100, 80] and d.accepted[1:3].tolist() == [80, 40]
+  tau = d.tau_by_length(state)
+  assert tau[2] == pytest.approx(1.8) and tau[3] == pytest.approx(1.8 + 0.8 * 0.5)
+  # slots 3.. never verified: confidence × how it has predicted (120 / 90)
+  r3 = 0.5 * (120 / 90)
+  assert tau[5] == pytest.approx(1.8 + 0.4 + 0.4 * r3 + 0.4 * r3 ** 2)
+  assert _driver(verify_len=5).buckets == (2, 3, 5)
+
+
+def test_step_cost_cache_location_and_failures(target, tmp_path, monkeypatch):
+  monkeypatch.delenv("FLEXDRAFT_COST_CACHE", raising=False)
+  monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+  assert flex.cost_cache_path() == str(tmp_path / "xdg" / "flexdraft_jax" / "step_costs.json")
+  assert flex.cost_cache_path(None) is None
+  monkeypatch.setattr(flex, "_COSTS_IN_MEMORY", {})
+  prompts = prompts_for(2, seed=9)
+  drafter = random_drafter(target, block_size=4, noise=0.5)
+  ref = fd.generate(target, prompts, max_new_tokens=12)
+  run = lambda cache: fd.generate(target, prompts, max_new_tokens=12, drafter=drafter,
+                                  mode="flex", cost_cache=cache)
+  # unwritable (its parent is a file): warns, keeps the costs in memory, output intact
+  (tmp_path / "afile").write_text("x")
+  with pytest.warns(RuntimeWarning, match="cannot write the step-cost cache"):
+    out = run(str(tmp_path / "afile" / "costs.json"))
+  assert out.token_ids == ref.token_ids and out.stats["step_costs"]
+  # corrupt: warns, measures again and rewrites it
+  bad = tmp_path / "bad.json"
+  bad.write_text("{not json")
+  with pytest.warns(RuntimeWarning, match="unreadable step-cost cache"):
+    out = run(str(bad))
+  assert out.token_ids == ref.token_ids
+  assert len(json.loads(bad.read_text())) == 1
+  # memory only: nothing written anywhere
+  out = run(None)
+  assert out.token_ids == ref.token_ids and not (tmp_path / "xdg").exists()

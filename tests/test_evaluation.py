@@ -183,12 +183,17 @@ def test_report_speedup_is_tokens_per_second_ratio(tmp_path):
 
 
 def test_step_cost_table_shows_the_break_even_tau():
-  costs = {"4": {"ar": 0.02, "sequential": 0.05, "parallel": {"2": 0.06, "16": 0.1}}}
+  costs = {"4": {"ar": 0.02, "measured_k": [2, 16],
+                 "sequential": {"2": 0.03, "9": 0.04, "16": 0.05},
+                 "parallel": {"2": 0.06, "9": 0.08, "16": 0.1}}}
   results = {"cells": {"k": {"params": {"mode": "flex"}, "step_costs": costs},
                        "a": {"params": {"mode": "ar"}}}}
   table = report.step_cost_table(results)
-  assert table[0].startswith("| rows | ar | sequential | parallel G=2 | parallel G=16 |")
-  assert table[2] == "| 4 | 20.0 ms | 50.0 ms | 60.0 ms | 100.0 ms | 2.50 | 5.00 |"
+  assert table[0] == ("| rows | ar | sequential k=2 | sequential k=9 | sequential k=16 | "
+                      "parallel k=2 | parallel k=9 | parallel k=16 |")
+  assert table[2] == ("| 4 | 20.0 ms | 30.0 ms (τ 1.50) | ~40.0 ms (τ 2.00) | "
+                      "50.0 ms (τ 2.50) | 60.0 ms (τ 3.00) | ~80.0 ms (τ 4.00) | "
+                      "100.0 ms (τ 5.00) |")
   assert report.step_cost_table({"cells": {"a": {"params": {"mode": "ar"}}}}) == []
 
 

@@ -11,7 +11,7 @@ from scipy import stats
 import flexdraft_jax as fd
 from flexdraft_jax.decoding import verify
 from flexdraft_jax.decoding.sampling import processed_logits
-from tests.decoding_util import bigram_drafter, tiny_target
+from tests.decoding_util import bigram_drafter, tiny_target, vocab_drafter
 
 V, N, PROMPT, TEMP = 8, 6000, [3, 5], 1.0
 
@@ -72,6 +72,28 @@ def test_each_mode_samples_the_target_distribution(setup, mode, kw):
   if mode != "ar":  # drafts were accepted, so the acceptance rule was exercised
     assert r.stats["tau"] > 1.08, r.stats["tau"]
   assert _chi2_pvalue(r.token_ids, exact) > 1e-3
+
+
+@pytest.mark.parametrize("mode, kw", [
+    ("sequential", {}),
+    ("parallel", {"draft_sampling": True}),
+])
+def test_a_draft_vocabulary_samples_the_target_distribution(setup, mode, kw):
+  # Two tokens can never be drafted; sampled drafts' q is zero there.
+  target, drafter, exact = setup
+  small = vocab_drafter(drafter, [5, 2, 7, 0, 3, 6])
+  r = _sample(target, small, mode, **kw)
+  assert r.stats["tau"] > 1.05, r.stats["tau"]
+  assert _chi2_pvalue(r.token_ids, exact) > 1e-3
+
+
+def test_a_short_verify_length_samples_the_target_distribution():
+  target = tiny_target(vocab=V, eos=0, scale=0.5, seed=4)
+  drafter = bigram_drafter(target, block_size=4)
+  r = _sample(target, drafter, "sequential", verify_len=2)
+  assert r.stats["tau"] > 1.08, r.stats["tau"]
+  assert max(k for k, _ in r.stats["group_counts"]) == 2
+  assert _chi2_pvalue(r.token_ids, _exact_distribution(target)) > 1e-3
 
 
 def _lossy_rule(target_params, cfg, h, state, vlen_B, sp):

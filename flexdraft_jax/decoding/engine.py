@@ -20,7 +20,7 @@ import numpy as np
 from flexdraft_jax.decoding import ar, flex, parallel, sequential, sharding, verify
 from flexdraft_jax.decoding.sampling import SamplingParams
 from flexdraft_jax.decoding.state import KV_BLOCK, DecodeState, prefill
-from flexdraft_jax.drafter.model import Drafter
+from flexdraft_jax.drafter.model import Drafter, draft_head
 from flexdraft_jax.model import transformer
 from flexdraft_jax.model.config import FlexDraftError
 
@@ -40,7 +40,9 @@ class SpecOptions:
   theta: float = 0.0
   strategy: str = "cumulative_product"
   flex_threshold: object = "auto"   # B*: an int, or "auto"
-  group_buckets: tuple = ()         # () -> powers of two up to bs
+  group_buckets: tuple = ()         # () -> 2, 3, 5, 9, … up to bs
+  verify_len: Optional[int] = None  # k: verify at most k - 1 drafts (None: bs)
+  cost_cache: object = "default"    # flex's step-cost file (see flex.cost_cache_path)
 
   def validate(self):
     if not 0.0 <= self.theta <= 1.0:
@@ -52,6 +54,9 @@ class SpecOptions:
         not isinstance(self.flex_threshold, int) or self.flex_threshold < 0):
       raise FlexDraftError(
           f"flex threshold must be 'auto' or an integer >= 0, got {self.flex_threshold!r}")
+    if self.verify_len is not None and (
+        not isinstance(self.verify_len, int) or self.verify_len < 2):
+      raise FlexDraftError(f"verify_len must be an integer >= 2, got {self.verify_len!r}")
 
 
 def _round_up(x: int, m: int) -> int:
@@ -92,7 +97,9 @@ def _prefill(target_params, draft_params, prompt_BxP, plen_B, valid_B, key, *,
 def run_chunk(target_params, draft_params, state: DecodeState, *, cfg, dcfg, mode,
               num_groups, n_steps, sp, max_new, stop_ids, theta, strategy,
               attn_impl, refresh=False):
-  """Up to `n_steps` steps of one mode in a device loop (stops when all rows are done)."""
+  """Up to `n_steps` steps of one mode in a device loop (stops when all rows are
+  done). `num_groups` is the verify length k: parallel's group count, or the
+  positions of sequential's verify block."""
   drafter = None if dcfg is None else Drafter(dcfg, draft_params)
   kw = dict(sp=sp, max_new=max_new, stop_ids=stop_ids, attn_impl=attn_impl)
   if refresh:  # drafts went stale during AR steps
@@ -101,7 +108,9 @@ def run_chunk(target_params, draft_params, state: DecodeState, *, cfg, dcfg, mod
   if mode == "ar":
     step = lambda st: ar.ar_step(target_params, cfg, st, **kw)
   elif mode == "sequential":
-    step = lambda st: sequential.sequential_step(target_params, cfg, drafter, st, **kw)
+    step = lambda st: sequential.sequential_step(
+        target_params, cfg, drafter, st, verify_len=num_groups, theta=theta,
+        strategy=strategy, **kw)
   else:
     step = lambda st: parallel.parallel_step(
         target_params, cfg, drafter, st, num_groups=num_groups, theta=theta,
@@ -180,14 +189,21 @@ def generate(target, prompts: Sequence, *, max_new_tokens: int = 128,
              strategy: str = "cumulative_product", flex_threshold="auto",
              attn_impl: str = "xla", block_size: Optional[int] = None,
              draft_sampling: bool = False, calibrate: bool = True,
-             steps_per_call: int = 16) -> GenerateResult:
+             steps_per_call: int = 16, verify_len: Optional[int] = None,
+             cost_cache="default") -> GenerateResult:
   """Generates continuations of `prompts` (strings or id lists).
 
   Every mode's output is the target's (token-identical to `ar` at T=0).
+  `verify_len` k (≤ the block size) verifies at most k - 1 drafts per step — a
+  shorter, cheaper verify block; flex `auto` picks k itself, up to this.
+  `cost_cache`: where flex keeps measured step costs — a file path, None for
+  memory only, "default" for `$FLEXDRAFT_COST_CACHE` or
+  `$XDG_CACHE_HOME/flexdraft_jax/step_costs.json`.
   Returns GenerateResult(token_ids, texts, stats).
   """
   sp = SamplingParams(temperature, top_k, top_p, draft_sampling)
-  opts = SpecOptions(threshold, strategy, flex_threshold)
+  opts = SpecOptions(threshold, strategy, flex_threshold, verify_len=verify_len,
+                     cost_cache=cost_cache)
   opts.validate()
   if mode not in MODES:
     raise FlexDraftError(f"mode must be one of {MODES}, got {mode!r}")
@@ -199,6 +215,9 @@ def generate(target, prompts: Sequence, *, max_new_tokens: int = 128,
     from flexdraft_jax.drafter.compat import check_compatible
     check_compatible(drafter, target)
     drafter = _with_block_size(drafter, block_size)
+    if verify_len is not None and verify_len > drafter.config.block_size:
+      raise FlexDraftError(f"verify_len={verify_len} exceeds the block size "
+                           f"{drafter.config.block_size}")
     if not calibrate:  # ablation: drafts without the bonus-guided calibration
       drafter = drafter._replace(config=dataclasses.replace(drafter.config, calibrate=False))
   if isinstance(prompts, str):
@@ -235,6 +254,15 @@ def _with_block_size(drafter: Drafter, block_size: Optional[int]) -> Drafter:
 # its drafters), so a long-lived process doesn't keep every tree it decoded.
 _unstacked = collections.OrderedDict()
 _UNSTACKED_MAX = 4
+
+
+def _draft_decoding_params(target_params, cfg, draft_params):
+  """The draft pytree for decoding: per-layer, and with a draft vocabulary its
+  draft head (those rows of the LM head) gathered once here, not every step."""
+  params = _decoding_params(draft_params)
+  if "vocab" in params:
+    params = dict(params, head=draft_head(target_params, cfg, params))
+  return params
 
 
 def _decoding_params(tree):
@@ -284,7 +312,7 @@ def _generate_batch(target, ids, max_new, sp, seed, drafter, mode, opts,
       mesh, prompt, np.asarray(plens, np.int32), np.arange(Bp) < B)
   dcfg = None if drafter is None else drafter.config
   dparams = None if drafter is None else sharding.replicate(
-      mesh, _decoding_params(drafter.params))
+      mesh, _draft_decoding_params(target.params, cfg, drafter.params))
   target = target._replace(
       params=sharding.replicate(mesh, _decoding_params(target.params)))
   drafter = None if drafter is None else drafter._replace(params=dparams)
@@ -335,4 +363,5 @@ def _merge_stats(parts, mode):
   if "flex_threshold" in parts[0]:
     s["flex_threshold"] = parts[0]["flex_threshold"]
     s["step_costs"] = {b: c for p in parts for b, c in p["step_costs"].items()}
+    s["flex_choices"] = {b: c for p in parts for b, c in p.get("flex_choices", {}).items()}
   return s

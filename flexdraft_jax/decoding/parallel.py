@@ -17,12 +17,14 @@ def parallel_step(target_params, cfg, drafter, state: DecodeState, *,
   """Verify block `[b, d1..]` plus `num_groups` mask groups (SPEC §2).
 
   Group g is the draft for "g drafts accepted"; at most `num_groups - 1`
-  drafts are verified (fewer where selective verification prunes).
+  drafts are verified (fewer where selective verification prunes), so the
+  verify block is `[b, d1 .. d_{G-1}]`: G positions.
   """
   bs, L = drafter.config.block_size, drafter.config.num_layers
   B, c = state.length_B.shape[0], state.length_B
-  block = jnp.concatenate([state.bonus_B[:, None], state.drafts_BxD], axis=1)
-  pos = c[:, None] + jnp.arange(bs, dtype=jnp.int32)[None]
+  block = jnp.concatenate([state.bonus_B[:, None], state.drafts_BxD[:, :num_groups - 1]],
+                          axis=1)
+  pos = c[:, None] + jnp.arange(num_groups, dtype=jnp.int32)[None]
   masks = mask_block(c + 1, c, num_groups, bs)
   h, hm, cache = transformer.forward(
       target_params, cfg, state.cache, block, pos, draft=drafter.params,

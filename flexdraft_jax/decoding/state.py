@@ -71,12 +71,15 @@ def draft_tokens(target_params, cfg, drafter, hm_BxbsxH, bonus_B, sp: SamplingPa
   bonus = jnp.broadcast_to(bonus_B[:, None], h.shape[:2])
   lg = drafter_model.draft_logits(target_params, cfg, drafter, h, bonus)
   probs_max = jnp.max(jax.nn.softmax(lg, axis=-1), axis=-1)
+  to_ids = lambda idx: drafter_model.to_token_ids(drafter.params, idx.astype(jnp.int32))
   if not sp.sampled_drafts:
     q = jnp.zeros(h.shape[:2] + (0,), jnp.float32)
-    return jnp.argmax(lg, axis=-1).astype(jnp.int32), probs_max, q
+    return to_ids(jnp.argmax(lg, axis=-1)), probs_max, q
   x = processed_logits(lg, sp)
-  drafts = jax.random.categorical(key, x).astype(jnp.int32)
-  return drafts, probs_max, jax.nn.softmax(x, axis=-1)
+  drafts = to_ids(jax.random.categorical(key, x))
+  q = drafter_model.to_full_vocab(drafter.params, jax.nn.softmax(x, axis=-1),
+                                  cfg.vocab_size)
+  return drafts, probs_max, q
 
 
 def mask_block(start_B, limit_B, num_groups: int, bs: int):

@@ -22,20 +22,22 @@ def selective_vlen(conf_BxD, theta, strategy: str):
   return jnp.clip(jnp.sum(passing, axis=1), 1, D).astype(jnp.int32)
 
 
-def verify_block(target_params, cfg, h_BxbsxH, state: DecodeState, vlen_B,
+def verify_block(target_params, cfg, h_BxkxH, state: DecodeState, vlen_B,
                  sp: SamplingParams):
   """Target tokens y_i at every verify position and the accepted count a.
 
-  Drafts are deterministic, so accepting while the sampled `y_i == d_{i+1}` is
-  exact rejection sampling for a point-mass draft: lossless at any T.
+  The verify block `[b, d1 .. d_{k-1}]` may be shorter than the drafter's block
+  (k ≤ bs): only its k - 1 drafts can be accepted. Drafts are deterministic, so
+  accepting while the sampled `y_i == d_{i+1}` is exact rejection sampling for
+  a point-mass draft: lossless at any T.
   """
-  lg = transformer.logits(target_params, cfg, h_BxbsxH)
+  lg = transformer.logits(target_params, cfg, h_BxkxH)
   key = jax.random.fold_in(state.key, state.steps)
+  D = h_BxkxH.shape[1] - 1
   if sp.sampled_drafts:
     return leviathan(lg, state, vlen_B, sp, key)
   y = sample(lg, key, sp)
-  D = state.drafts_BxD.shape[1]
-  ok = (y[:, :D] == state.drafts_BxD) & (jnp.arange(D)[None] < vlen_B[:, None])
+  ok = (y[:, :D] == state.drafts_BxD[:, :D]) & (jnp.arange(D)[None] < vlen_B[:, None])
   a = jnp.sum(jnp.cumprod(ok, axis=1), axis=1).astype(jnp.int32)
   return y, a
 
@@ -48,8 +50,9 @@ def leviathan(lg_BxbsxV, state: DecodeState, vlen_B, sp: SamplingParams, key):
   Returns (y, a) laid out like the exact-match rule: y[a] is the new bonus.
   """
   p = jax.nn.softmax(processed_logits(lg_BxbsxV, sp), axis=-1)
-  d, q = state.drafts_BxD, state.q_BxDxV
-  B, D = d.shape
+  D = lg_BxbsxV.shape[1] - 1
+  d, q = state.drafts_BxD[:, :D], state.q_BxDxV[:, :D]
+  B = d.shape[0]
   k_accept, k_bonus = jax.random.split(key)
   p_d = jnp.take_along_axis(p[:, :D], d[..., None], axis=-1)[..., 0]
   q_d = jnp.take_along_axis(q, d[..., None], axis=-1)[..., 0]
@@ -69,11 +72,12 @@ def leviathan(lg_BxbsxV, state: DecodeState, vlen_B, sp: SamplingParams, key):
 
 def commit(state: DecodeState, y_Bxbs, a_B, cache, *, max_new,
            stop_ids) -> DecodeState:
-  """Emits d1..da and the new bonus y_a; advances the committed length by a+1."""
-  B, bs = y_Bxbs.shape
-  j = jnp.arange(bs)[None]
+  """Emits d1..da and the new bonus y_a; advances the committed length by a+1.
+  (`y` spans the verify block, k ≤ bs positions.)"""
+  B, k = y_Bxbs.shape
+  j = jnp.arange(k)[None]
   bonus = jnp.take_along_axis(y_Bxbs, a_B[:, None], axis=1)[:, 0]
-  drafts = jnp.pad(state.drafts_BxD, ((0, 0), (0, 1)))
+  drafts = jnp.pad(state.drafts_BxD[:, :k - 1], ((0, 0), (0, 1)))
   new = jnp.where(j < a_B[:, None], drafts, bonus[:, None])
   live = ~state.done_B
   out, n_out, done, _ = emit(state, new, a_B + 1, max_new, stop_ids)

@@ -136,24 +136,30 @@ def _batches_note(settings: dict) -> str:
 
 
 def step_cost_table(results: dict) -> list:
-  """Flex `auto`'s measured seconds per step at each batch shape, and its choice."""
+  """Flex `auto`'s seconds per step at each batch shape: AR and each mode at
+  each verify length k (the shortest and longest measured, the rest
+  interpolated, marked ~), and the τ at which each would match AR."""
   costs = {}
   for c in results["cells"].values():
     if c["params"]["mode"] == "flex":
       costs.update(c.get("step_costs", {}))
   if not costs:
     return []
-  groups = sorted({g for c in costs.values() for g in c["parallel"]}, key=int)
-  lines = ["| rows | ar | sequential | " + " | ".join(f"parallel G={g}" for g in groups)
-           + " | τ where sequential = ar | τ where parallel G=max = ar |",
-           "|---|---|---|" + "---|" * len(groups) + "---|---|"]
+  ks = sorted({k for c in costs.values() for k in c["sequential"]}, key=int)
+  cols = [(m, k) for m in ("sequential", "parallel") for k in ks]
+  lines = ["| rows | ar | " + " | ".join(f"{m} k={k}" for m, k in cols) + " |",
+           "|---|---|" + "---|" * len(cols)]
   for rows_ in sorted(costs, key=int):
     c = costs[rows_]
-    par = [c["parallel"].get(g) for g in groups]
-    ms = lambda x: "-" if x is None else f"{1e3 * x:.1f} ms"
-    lines.append(f"| {rows_} | {ms(c['ar'])} | {ms(c['sequential'])} | "
-                 + " | ".join(ms(x) for x in par)
-                 + f" | {c['sequential'] / c['ar']:.2f} | {par[-1] / c['ar']:.2f} |")
+    measured = {str(k) for k in c.get("measured_k", [])}
+    def cell(m, k):
+      t = c[m].get(k)
+      if t is None:
+        return "-"
+      mark = "" if k in measured else "~"
+      return f"{mark}{1e3 * t:.1f} ms (τ {t / c['ar']:.2f})"
+    lines.append(f"| {rows_} | {1e3 * c['ar']:.1f} ms | "
+                 + " | ".join(cell(m, k) for m, k in cols) + " |")
   return lines
 
 
@@ -190,10 +196,10 @@ def write_markdown(results: dict, path: str, plots: list) -> str:
   costs = step_cost_table(results)
   if costs:
     lines += ["", "## Flex `auto`: measured step costs", "",
-              "Seconds per step of each mode at each live batch shape (cached per "
-              "target/hardware/shape). Flex predicts tokens/s = τ / cost and runs the "
-              "fastest; a speculative mode beats AR only where τ exceeds the ratios in "
-              "the last two columns.", ""] + costs
+              "Seconds per step of each mode and verify length k at each live batch "
+              "shape (cached per target/drafter/hardware/shape; ~ interpolated between "
+              "the measured k). Flex predicts tokens/s = τ(k) / cost and runs the "
+              "fastest; in brackets, the τ at which that step matches AR.", ""] + costs
   if results.get("ablation"):
     lines += ["", "## Ablations", ""] + ablation_table(results)
   if plots:

@@ -1,0 +1,99 @@
+"""The drafter's learning curve: held-out τ and slot accuracy vs mask rows seen.
+
+  PYTHONPATH=. python launch/learning_curve.py --metrics=RUN/metrics.csv \
+      --out=docs/results/learning_curve
+
+Reads the eval rows of one or more training runs' metrics.csv (a run that
+warm-started from another's drafter continues its `mask_rows`), plots offline
+τ and slot 1..4 top-1 accuracy against mask rows on a log axis (OUT.png) and
+writes OUT.md: the table and a log-linear fit of τ over the later half of the
+points, with the mask rows it predicts for τ = 3, 4, 5 (an extrapolation, not a
+promise: such curves bend).
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+
+import numpy as np
+from absl import app, flags
+
+FLAGS = flags.FLAGS
+flags.DEFINE_list("metrics", [], "metrics.csv files, oldest run first")
+flags.DEFINE_string("out", "docs/results/learning_curve", "output path without suffix")
+flags.DEFINE_string("title", "SmolLM2-135M drafter", "plot title")
+
+
+def eval_points(paths) -> list:
+  """[(mask_rows, tau, acc1..acc4)] over all eval rows, by mask rows."""
+  pts = {}
+  for path in paths:
+    with open(path) as f:
+      for r in csv.DictReader(f):
+        if r.get("eval_tau") and r.get("mask_rows"):
+          pts[int(float(r["mask_rows"]))] = (
+              float(r["eval_tau"]), *(float(r[f"eval_acc_{j}"]) for j in range(1, 5)))
+  return [(k, *v) for k, v in sorted(pts.items())]
+
+
+def fit(points) -> tuple:
+  """(a, b) of τ ≈ a + b·log10(rows) over the later half of the points."""
+  later = points[len(points) // 2:]
+  if len(later) < 2:
+    return None
+  x = np.log10([p[0] for p in later])
+  y = np.array([p[1] for p in later])
+  b, a = np.polyfit(x, y, 1)
+  return a, b
+
+
+def main(argv):
+  del argv
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  points = eval_points(FLAGS.metrics)
+  if not points:
+    raise SystemExit("no eval rows with mask_rows in " + ", ".join(FLAGS.metrics))
+  rows = np.array([p[0] for p in points])
+  fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+  ax1.plot(rows, [p[1] for p in points], "o-", label="held-out τ")
+  line = fit(points)
+  if line and line[1] > 0:
+    xs = np.logspace(np.log10(rows[0]), np.log10(rows[-1]) + 1, 50)
+    ax1.plot(xs, line[0] + line[1] * np.log10(xs), "--", color="gray",
+             label="log-linear fit (later half)")
+  ax1.set_xscale("log")
+  ax1.set_xlabel("mask rows seen")
+  ax1.set_ylabel("offline τ")
+  ax1.legend()
+  for j in range(1, 5):
+    ax2.plot(rows, [p[1 + j] for p in points], "o-", label=f"slot {j}")
+  ax2.set_xscale("log")
+  ax2.set_xlabel("mask rows seen")
+  ax2.set_ylabel("top-1 accuracy")
+  ax2.legend()
+  fig.suptitle(FLAGS.title)
+  fig.tight_layout()
+  os.makedirs(os.path.dirname(os.path.abspath(FLAGS.out)), exist_ok=True)
+  fig.savefig(FLAGS.out + ".png", dpi=110)
+
+  lines = ["| mask rows | offline τ | acc 1 | acc 2 | acc 3 | acc 4 |",
+           "|---|---|---|---|---|---|"]
+  lines += [f"| {p[0]:,} | {p[1]:.3f} | " + " | ".join(f"{a:.3f}" for a in p[2:]) + " |"
+            for p in points]
+  if line and line[1] > 0:
+    a, b = line
+    preds = ", ".join(f"τ = {t}: {10 ** ((t - a) / b):.2g} rows" for t in (3, 4, 5))
+    lines += ["", f"Fit over the later half: τ ≈ {a:.3f} + {b:.3f}·log10(rows); "
+              f"predicted {preds}."]
+  elif line:
+    lines += ["", "The later half of the curve is flat or falling: no prediction."]
+  with open(FLAGS.out + ".md", "w") as f:
+    f.write("\n".join(lines) + "\n")
+  print("\n".join(lines))
+
+
+if __name__ == "__main__":
+  app.run(main)
