@@ -2,7 +2,8 @@
 
 Run (one command, from the repository root):
   PYTHONPATH=. python launch/bench_flex.py --batch_sizes=1,4,16 --max_new_tokens=64 \\
-    --repeats=5 --out=/tmp/bench_flex.json
+    --repeats=3 --fixed=sequential:3,sequential:5,sequential:9,sequential:16,parallel:3,parallel:5 \\
+    --out=/tmp/bench_flex.json
 
 The decoding issue's goal is that flex's throughput is never below AR's: where
 speculation does not pay, flex must run plain AR steps at AR's speed. A sweep
@@ -13,7 +14,9 @@ greedy, stops off so every row decodes `--max_new_tokens` — after one untimed
 call of each, and each mode's tokens/s is the median (and best) of `--repeats`
 decode-only timings (the engine's `decode_seconds`). Flex runs with `B* = auto`:
 its measured step costs (cached per target/hardware/batch shape), the steps it
-ran in each mode, and both outputs' equality are reported too.
+ran in each mode and verify length k, and both outputs' equality are reported
+too. `--fixed=MODE:K,…` times fixed (mode, verify length) settings in the same
+rotation, so flex can be compared with the best of them.
 """
 
 from __future__ import annotations
@@ -29,7 +32,8 @@ flags.DEFINE_list("batch_sizes", ["1", "4", "16"], "batch sizes")
 flags.DEFINE_integer("max_new_tokens", 64, "new tokens per row (stops off)")
 flags.DEFINE_integer("repeats", 5, "timed calls per mode and batch size")
 flags.DEFINE_string("drafter", "flexdraft_jax/drafters/smollm2_135m", "drafter directory")
-flags.DEFINE_float("threshold", 0.01, "selective verification θ of flex's parallel steps")
+flags.DEFINE_float("threshold", 0.0, "selective verification θ of flex's steps")
+flags.DEFINE_list("fixed", [], "fixed MODE:K settings to time as well (e.g. sequential:5)")
 flags.DEFINE_string("data_dir", "", "benchmark files (default: ../shared/data or $FLEXDRAFT_DATA)")
 flags.DEFINE_string("out", "", "write the results as JSON here")
 FLAGS = flags.FLAGS
@@ -46,14 +50,20 @@ def main(argv):
   sizes = [int(b) for b in FLAGS.batch_sizes]
   rows = benchmarks.load_benchmark("gsm8k", FLAGS.data_dir or data_root(), max(sizes))
   results = []
+  fixed = {}
+  for spec in FLAGS.fixed:
+    mode, k = spec.split(":")
+    fixed[spec] = dict(mode=mode, drafter=drafter, verify_len=int(k))
   print("| batch | AR tok/s (median, best) | flex tok/s (median, best) | flex / AR "
-        "(median) | flex steps | outputs equal |", flush=True)
-  print("|---|---|---|---|---|---|", flush=True)
+        "(median) | best fixed (mode:k, tok/s) | flex / best fixed | flex steps (k) "
+        "| outputs equal |", flush=True)
+  print("|---|---|---|---|---|---|---|---|", flush=True)
   for b in sizes:
     ids = [benchmarks.render(target.tokenizer, benchmarks.messages_for_turn(p, []), kw)
            for p in rows[:b]]
     opts = {"ar": dict(mode="ar"),
-            "flex": dict(mode="flex", drafter=drafter, threshold=FLAGS.threshold)}
+            "flex": dict(mode="flex", drafter=drafter, threshold=FLAGS.threshold),
+            **fixed}
     tps = {m: [] for m in opts}
     last = {}
     for i in range(FLAGS.repeats + 1):
@@ -64,14 +74,22 @@ def main(argv):
         last[m] = res
     med = {m: statistics.median(v) for m, v in tps.items()}
     steps = last["flex"].stats["mode_steps"]
-    equal = last["flex"].token_ids == last["ar"].token_ids
+    ks = last["flex"].stats["group_counts"]
+    equal = all(last[m].token_ids == last["ar"].token_ids for m in opts)
+    best = max(fixed, key=med.get) if fixed else None
     results.append({"batch_size": b, "tokens_per_second": tps, "median": med,
                     "flex_over_ar": med["flex"] / med["ar"], "flex_mode_steps": steps,
+                    "flex_verify_lengths": ks, "best_fixed": best,
+                    "tau": {m: last[m].stats["tau"] for m in opts},
                     "step_costs": last["flex"].stats.get("step_costs"),
+                    "flex_choices": last["flex"].stats.get("flex_choices"),
                     "outputs_equal": equal})
+    best_cols = (f"{best}, {med[best]:.1f} | {med['flex'] / med[best]:.2f}" if best
+                 else "- | -")
     print(f"| {b} | {med['ar']:.1f}, {max(tps['ar']):.1f} | {med['flex']:.1f}, "
-          f"{max(tps['flex']):.1f} | {med['flex'] / med['ar']:.2f} | "
-          f"{' '.join(f'{m}×{n}' for m, n in steps)} | {'yes' if equal else 'NO'} |",
+          f"{max(tps['flex']):.1f} | {med['flex'] / med['ar']:.2f} | {best_cols} | "
+          f"{' '.join(f'{m}×{n}' for m, n in steps)} "
+          f"({' '.join(f'{k}×{n}' for k, n in ks)}) | {'yes' if equal else 'NO'} |",
           flush=True)
   if FLAGS.out:
     with open(FLAGS.out, "w") as f:

@@ -90,6 +90,14 @@ def main(argv=None) -> int:
         f"\n{args.mode:<13} {spec.stats['tokens_per_second']:8.1f} tok/s   "
         f"τ={spec.stats['tau']:.2f}   speedup over AR: {speedup:.2f}×"
         f"\nsteps per mode: {used or args.mode};  outputs identical to AR: {same}")
+  for rows, c in spec.stats.get("flex_choices", {}).items():
+    mode, k = c["choice"]
+    pred = c["tokens_per_s"]
+    best = f"{mode}:{k}" if k else mode
+    others = sorted(pred.items(), key=lambda x: -x[1])[:4]
+    print(f"flex at batch {rows} chose {mode}" + (f" verifying up to {k - 1} drafts" if k
+          else "") + f": predicted {pred[best]:.1f} tok/s ("
+          + ", ".join(f"{m} {v:.1f}" for m, v in others if m != best) + ")")
   if args.mode == "flex" and set(steps) == {"ar"}:
     print("flex measured the step costs on this machine and predicted plain AR steps "
           "to be fastest here (speculative verification does not pay on this "

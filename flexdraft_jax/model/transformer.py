@@ -247,11 +247,17 @@ def forward(params, cfg: ModelConfig, cache: KVCache,
 
   hm = mask_input(draft, masks, h.dtype)
 
+  # A mask-only pass may get the cache of the deep layers alone (training).
+  offset = n - ck.shape[0]
+  if offset and (tokens_BxT is not None or offset > s):
+    raise ValueError(f"a cache of {ck.shape[0]} layers serves only a mask-only pass "
+                     f"over the last {n - s} layers")
+
   def deep(carry, i):
     h, hm, ck, cv = carry
     h, hm, ck, cv = _layer_step(cfg, attn_impl, kv_block, _layer(layers, i),
                                 _layer(draft["layers"], i - s), h, hm,
-                                ck, cv, i, pos_BxT, masks)
+                                ck, cv, i - offset, pos_BxT, masks)
     return (h, hm, ck, cv), None
 
   (h, hm, ck, cv), _ = jax.lax.scan(deep, (h, hm, ck, cv), jnp.arange(s, n))

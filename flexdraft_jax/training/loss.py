@@ -55,13 +55,10 @@ def deep_kv(target_params, cfg: ModelConfig, tokens_BxT, num_draft_layers: int, 
   return tuple(jnp.moveaxis(c[s:], 0, 1) for c in (cache.k, cache.v))
 
 
-def _cache_from_deep(cfg: ModelConfig, k_BxLxKxTxD, v_BxLxKxTxD):
-  """A full-depth KVCache whose shallow layers are zeros (never read by masks)."""
-  def full(x):
-    x = jnp.moveaxis(x, 1, 0)
-    pad = jnp.zeros((cfg.num_layers - x.shape[0],) + x.shape[1:], x.dtype)
-    return jnp.concatenate([pad, x], axis=0)
-  return transformer.KVCache(full(k_BxLxKxTxD), full(v_BxLxKxTxD))
+def _cache_from_deep(k_BxLxKxTxD, v_BxLxKxTxD):
+  """The deep layers' KVCache `[L, B, K, T, D]` (a mask-only pass reads no other)."""
+  return transformer.KVCache(jnp.moveaxis(k_BxLxKxTxD, 1, 0),
+                             jnp.moveaxis(v_BxLxKxTxD, 1, 0))
 
 
 def loss_sums(draft_params, target_params, cfg: ModelConfig, dcfg: DrafterConfig,
@@ -87,8 +84,7 @@ def loss_sums(draft_params, target_params, cfg: ModelConfig, dcfg: DrafterConfig
     if loss_type == "kl":
       raise ValueError("loss_type='kl' needs the clean pass (no precomputed K/V)")
     h_clean = None
-    cache = _cache_from_deep(cfg, batch["deep_k"].astype(dtype),
-                             batch["deep_v"].astype(dtype))
+    cache = _cache_from_deep(batch["deep_k"].astype(dtype), batch["deep_v"].astype(dtype))
   else:
     h_clean, cache = clean_pass(target_params, cfg, tokens, attn_impl=attn_impl)
   masks = mask_rows(anchor, bs)
