@@ -43,6 +43,8 @@ VARIANTS = {
                                          "train.anchors_per_seq": 16}),
     "k4096": ("draft vocabulary K 4096", {"drafter.draft_vocab": 4096}),
     "lr3e-3": ("lr 3e-3", {"train.lr": 3e-3}),
+    "math_code_x2": ("GSM8K and MBPP answers twice an epoch",
+                     {"data.source_weights.gsm8k": 2, "data.source_weights.mbpp": 2}),
 }
 EVAL = {"train.num_eval": 64, "train.eval_anchors": 16, "train.eval_batch_size": 8}
 

@@ -44,3 +44,22 @@ def test_greedy_generation_matches_hf(smollm2_target, smollm2_hf_model, chat):
   assert ours.stats["new_tokens"] == sum(len(t) for t in ours.token_ids)
   if chat:  # the chat model answers and stops: its EOS ends the row
     assert "Paris" in ours.texts[0]
+
+
+@pytest.mark.slow
+def test_shipped_drafter_drafts_losslessly(smollm2_target):
+  """The committed drafter fits the builtin target, drafts from its draft
+  vocabulary, and sequential and flex decode exactly what AR does."""
+  import os
+  from flexdraft_jax.evaluation.sweep import SHIPPED_DRAFTER, resolve_path
+  drafter = fd.load_drafter(resolve_path(SHIPPED_DRAFTER), smollm2_target)
+  k = drafter.config.draft_vocab
+  assert k and drafter.params["vocab"].shape == (k,)
+  ids = smollm2_target.tokenizer.apply_chat_template(PROMPTS[2])
+  ref = fd.generate(smollm2_target, [ids], max_new_tokens=MAX_NEW)
+  for mode in ("sequential", "flex"):
+    out = fd.generate(smollm2_target, [ids], max_new_tokens=MAX_NEW, drafter=drafter,
+                      mode=mode, cost_cache=None)
+    assert _agree(smollm2_target, ids, ref.token_ids[0], out.token_ids[0]), mode
+  assert os.path.getsize(os.path.join(resolve_path(SHIPPED_DRAFTER),
+                                      "params.safetensors")) <= 50e6

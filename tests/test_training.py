@@ -569,3 +569,17 @@ def test_packed_dataset_round_trips_and_continues(regen, tmp_path):
     data.unpack_regen(str(tmp_path / "p.npz"), fresh)
   with pytest.raises(Exception, match="no packed regenerated dataset"):
     data.unpack_regen(str(tmp_path / "missing.npz"), fresh)
+
+
+def test_source_weights_repeat_a_source_within_an_epoch():
+  recs = [data.Record(f"u{i}", "a" if i < 3 else "b", np.array([1], np.int32),
+                      np.array([2, 3], np.int32)) for i in range(5)]
+  p = data.Packer(recs, seq_len=8, anchors=1, block_size=2, pad_id=0, seed=0,
+                  source_weights={"a": 2, "b": 0})
+  idx, _ = p.train_indices(0, 6)     # one epoch: each "a" twice, no "b"
+  assert sorted(idx) == [0, 0, 1, 1, 2, 2]
+  plain = data.Packer(recs, seq_len=8, anchors=1, block_size=2, pad_id=0, seed=0)
+  assert sorted(plain.train_indices(0, 5)[0]) == [0, 1, 2, 3, 4]
+  with pytest.raises(Exception, match="integers >= 0"):
+    data.Packer(recs, seq_len=8, anchors=1, block_size=2, pad_id=0, seed=0,
+                source_weights={"a": 1.5})

@@ -43,6 +43,10 @@ def base_config(name: str) -> ml_collections.ConfigDict:
   # A packed regenerated dataset (data.pack_regen) to start from: unpacked into
   # regen_dir by `train` and `regenerate` (which then answers the rest).
   c.data.packed = ""
+  # Training visits a source's answers this many times an epoch (default 1),
+  # e.g. {"gsm8k": 2} to lean on math; 0 leaves a source out.
+  c.data.source_weights = ml_collections.ConfigDict(dict(
+      gsm8k=1, mbpp=1, arena_hard_v01=1, arena_hard_v20=1))
   c.data.mix = ml_collections.ConfigDict(dict(
       gsm8k=400, mbpp=200, arena_hard_v01=100, arena_hard_v20=100))
   c.data.paths = ml_collections.ConfigDict(dict(

@@ -302,12 +302,21 @@ class Packer:
   """
 
   def __init__(self, records: list, *, seq_len: int, anchors: int, block_size: int,
-               pad_id: int, seed: int):
+               pad_id: int, seed: int, source_weights=None):
     if not records:
       raise FlexDraftError("no training records")
     self.records, self.seq_len, self.K = records, seq_len, anchors
     self.bs, self.pad_id, self.seed = block_size, pad_id, seed
     self.deep_kv = None  # optional (k, v) per record, [N, L, K, T, D] each
+    # An epoch visits each record `source_weights[source]` times (default 1).
+    weights = dict(source_weights or {})
+    bad = {s: w for s, w in weights.items() if not (isinstance(w, int) and w >= 0)}
+    if bad:
+      raise FlexDraftError(f"source weights must be integers >= 0, got {bad}")
+    self.pool = np.repeat(np.arange(len(records)),
+                          [weights.get(r.source, 1) for r in records])
+    if not len(self.pool):
+      raise FlexDraftError("source weights leave no training records")
 
   def tokens(self, rec: Record) -> tuple:
     """(tokens [T] padded/truncated, real length)."""
@@ -342,19 +351,19 @@ class Packer:
   def train_indices(self, step: int, batch_size: int) -> tuple:
     """Record indices and anchor keys of global rows of batch `step`: epoch-wise
     seeded permutations, so the order depends only on (seed, step)."""
-    n = len(self.records)
+    n = len(self.pool)
     idx, keys = [], []
     for g in range(step * batch_size, (step + 1) * batch_size):
       epoch, pos = divmod(g, n)
       perm = self._perm(epoch)
-      idx.append(int(perm[pos]))
+      idx.append(int(self.pool[perm[pos]]))
       keys.append((self.seed, 1, epoch, pos))
     return idx, keys
 
   def _perm(self, epoch: int):
     cache = getattr(self, "_perm_cache", None)
     if cache is None or cache[0] != epoch:
-      perm = np.random.default_rng([self.seed, 0, epoch]).permutation(len(self.records))
+      perm = np.random.default_rng([self.seed, 0, epoch]).permutation(len(self.pool))
       self._perm_cache = cache = (epoch, perm)
     return cache[1]
 

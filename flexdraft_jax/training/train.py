@@ -163,7 +163,8 @@ def _setup(config, workdir=None):
   train_recs, eval_recs = data.split_eval(records, min(tc.num_eval, len(records) // 5))
   pack = functools.partial(data.Packer, seq_len=tc.seq_len, block_size=dcfg.block_size,
                            pad_id=cfg.pad_token_id, seed=tc.seed)
-  packers = (pack(train_recs, anchors=tc.anchors_per_seq),
+  packers = (pack(train_recs, anchors=tc.anchors_per_seq,
+                  source_weights=dict(config.data.get("source_weights", {}))),
              pack(eval_recs, anchors=tc.eval_anchors or tc.anchors_per_seq)
              if eval_recs else None)
 
