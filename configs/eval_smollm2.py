@@ -32,7 +32,7 @@ def get_config():
   c.dtype = "float32"
   c.drafter = SHIPPED_DRAFTER
   c.random_drafter.num_layers = 4      # the shipped drafter's shape (configs/smollm2_135m.py)
-  c.random_drafter.block_size = 16
+  c.random_drafter.block_size = 8
   c.random_drafter.calib_rank = 256
   c.eval.datasets = "gsm8k,math500,humaneval,mbpp,mt_bench"
   c.eval.limit = 16
