@@ -43,7 +43,7 @@ def get_config():
   c.train.seq_len = 448
   c.train.batch_size = 16        # 16 sequences × 4 anchor blocks × 8 slots = 512 mask rows
   c.train.anchors_per_seq = 4
-  c.train.num_steps = 2800
+  c.train.num_steps = 2200
   c.train.warmup_steps = 100
   c.train.lr = 3e-3
   c.train.log_every = 20

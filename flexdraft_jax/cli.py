@@ -37,6 +37,11 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--draft-sampling", action="store_true",
                  help="T>0: sample drafts and verify by rejection sampling")
   p.add_argument("--block-size", type=int, help="decode with a smaller block than trained")
+  p.add_argument("--verify-len", type=int,
+                 help="verify at most K-1 drafts per step (K <= block size; flex picks "
+                      "K itself up to this)")
+  p.add_argument("--cost-cache", default="default",
+                 help="flex's step-cost file ('' keeps the costs in memory only)")
   p.add_argument("--batch-size", type=int)
   p.add_argument("--attention-impl", default="xla", choices=("xla", "pallas", "auto"))
   p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -90,7 +95,8 @@ def main(argv) -> int:
       batch_size=args.batch_size, threshold=args.threshold,
       strategy=args.strategy, flex_threshold=flex_threshold,
       attn_impl=args.attention_impl, draft_sampling=args.draft_sampling,
-      block_size=args.block_size)
+      block_size=args.block_size, verify_len=args.verify_len,
+      cost_cache=args.cost_cache)
   if args.json:
     print(json.dumps({
         "outputs": [{"prompt": p, "token_ids": t, "text": x}
