@@ -158,29 +158,54 @@ def test_precomputed_deep_kv_gives_the_same_loss(regen, target):
   assert float(m2["tau"]) == float(m["tau"])
 
 
-def test_deep_kv_cache_serves_fewer_layers(tmp_path):
+def _fake_kv_cache(tmp_path, uids):
+  """A packer of records `uids` and a cached(num_layers) that logs what it
+  computes: record u's K is a function of (u, layer), V its negative."""
   packer = types.SimpleNamespace(seq_len=8, records=[types.SimpleNamespace(uid=u)
-                                                     for u in ("a", "b")])
+                                                     for u in uids])
   calls = []
 
   def compute_for(n):
-    def compute():
-      calls.append(n)
-      kv = np.arange(2 * n * 3, dtype=np.float32).reshape(2, n, 3)
-      return kv, -kv
+    def compute(rows):
+      calls.append((n, [packer.records[i].uid for i in rows]))
+      kv = np.array([[[ord(packer.records[i].uid) * 100 + layer] * 3
+                      for layer in range(n)] for i in rows], np.float32)
+      return kv.reshape(len(rows), n, 3), -kv.reshape(len(rows), n, 3)
     return compute
 
-  cached = lambda n: train._cached_deep_kv(str(tmp_path), "train", "fp", packer,
-                                           DrafterConfig(num_layers=n), compute_for(n))
+  def cached(n, name="train"):
+    return train._cached_deep_kv(str(tmp_path), name, "fp", packer,
+                                 DrafterConfig(num_layers=n), compute_for(n))
+  return packer, cached, calls
+
+
+def test_deep_kv_cache_serves_fewer_layers(tmp_path):
+  packer, cached, calls = _fake_kv_cache(tmp_path, "ab")
   k3, v3 = cached(3)
   k2, v2 = cached(2)                      # the last two of the three cached layers
   np.testing.assert_array_equal(k2, k3[:, 1:])
   np.testing.assert_array_equal(v2, v3[:, 1:])
-  assert calls == [3]
+  assert calls == [(3, ["a", "b"])]
   cached(4)                               # more layers than cached: computed again
-  packer.records.pop()                    # other records: computed again
+  assert calls[-1] == (4, ["a", "b"])
+
+
+def test_deep_kv_cache_computes_only_new_records(tmp_path):
+  packer, cached, calls = _fake_kv_cache(tmp_path, "ab")
   cached(2)
-  assert calls == [3, 4, 2]
+  cached(2, name="eval")                  # same records under another name: reused
+  assert calls == [(2, ["a", "b"])]
+  packer.records[:] = [types.SimpleNamespace(uid=u) for u in "cbad"]
+  k, v = cached(2)                        # more data: only c and d are computed
+  assert calls[-1] == (2, ["c", "d"])
+  expect = np.array([[[ord(u) * 100 + layer] * 3 for layer in range(2)]
+                     for u in "cbad"], np.float32)
+  np.testing.assert_array_equal(k, expect)
+  np.testing.assert_array_equal(v, -expect)
+  assert json.load(open(tmp_path / "train.json"))["uids"] == list("cbad")
+  k, _ = cached(2)                        # and now all of it is cached
+  assert len(calls) == 2
+  np.testing.assert_array_equal(k, expect)
 
 
 def test_loss_weights_and_offline_tau():

@@ -16,7 +16,6 @@ anchors depend only on (seed, step). WORKDIR gets:
 from __future__ import annotations
 
 import functools
-import hashlib
 import json
 import os
 import time
@@ -201,7 +200,7 @@ def _setup(config, workdir=None):
     for name, p in (("train", packers[0]), ("eval", packers[1])):
       if p is not None:
         compute = functools.partial(precompute_deep_kv, p, target_params, cfg, dcfg,
-                                    tc, rep, name)
+                                    tc, rep, name)  # (rows) -> (k, v)
         kv_dir = tc.deep_kv_dir or (workdir and os.path.join(workdir, "deep_kv"))
         p.deep_kv = _cached_deep_kv(kv_dir, name, target.fingerprint, p, dcfg, compute)
   steps = make_steps(cfg, dcfg, tx, schedule, tc, shardings_, mesh,
@@ -214,16 +213,19 @@ def _setup(config, workdir=None):
   return state, target_params, packers, steps, mesh, info
 
 
-def precompute_deep_kv(packer, target_params, cfg, dcfg, tc, replicated, name="train"):
-  """The deep layers' clean K/V of every record, once: replaces the per-step
-  clean pass. Records go in length order, each batch cut to its longest
-  sequence (rounded up to 64; causal attention makes the padding irrelevant),
-  and the result is laid out `[N, L, K, seq_len, D]` in record order."""
+def precompute_deep_kv(packer, target_params, cfg, dcfg, tc, replicated, name="train",
+                       rows=None):
+  """The deep layers' clean K/V of records `rows` of `packer` (default: all),
+  once: replaces the per-step clean pass. Records go in length order, each
+  batch cut to its longest sequence (rounded up to 64; causal attention makes
+  the padding irrelevant); the result is `[len(rows), L, K, seq_len, D]` in
+  `rows` order."""
   fn = jax.jit(lambda tp, toks: loss_lib.deep_kv(
       tp, cfg, toks, dcfg.num_layers, attn_impl=tc.attn_impl),
                out_shardings=(replicated, replicated))
-  n, bsz, T = len(packer.records), tc.batch_size, packer.seq_len
-  toks_lens = [packer.tokens(r) for r in packer.records]
+  rows = list(range(len(packer.records))) if rows is None else list(rows)
+  n, bsz, T = len(rows), tc.batch_size, packer.seq_len
+  toks_lens = [packer.tokens(packer.records[i]) for i in rows]
   order = sorted(range(n), key=lambda i: toks_lens[i][1])
   ks = vs = None
   for start in tqdm.trange(0, n, bsz, desc=f"clean K/V ({name})",
@@ -242,35 +244,81 @@ def precompute_deep_kv(packer, target_params, cfg, dcfg, tc, replicated, name="t
   return ks, vs
 
 
+def _cached_sources(d, key, num_layers):
+  """What directory `d` holds for `key`: {name: (uids, k, v)}, each array the
+  last `num_layers` layers of a cache made for at least that many."""
+  sources = {}
+  for fname in sorted(os.listdir(d)) if os.path.isdir(d) else []:
+    if not fname.endswith(".json"):
+      continue
+    with open(os.path.join(d, fname)) as f:
+      meta = json.load(f)
+    cached_layers = meta.get("num_layers", 0)
+    if (any(meta.get(k) != v for k, v in key.items()) or cached_layers < num_layers
+        or not isinstance(meta.get("uids"), list)):
+      continue
+    name = fname[:-len(".json")]
+    k, v = (np.load(os.path.join(d, f"{name}_{c}.npy"), mmap_mode="r")
+            [:, cached_layers - num_layers:] for c in "kv")
+    sources[name] = (meta["uids"], k, v)
+  return sources
+
+
 def _cached_deep_kv(d, name, fingerprint, packer, dcfg, compute):
-  """`compute()`, saved under directory `d` (None: not saved) and reused while
-  the target, the records and the sequence length are the same. A cache made
-  for more draft layers serves fewer — its last L layers — so an L = 2, 4, 6, 8
-  ablation that shares one directory runs the target's clean pass once."""
+  """`compute(rows)` (the K/V of those records of `packer`), saved under
+  directory `d` (None: not saved) as `NAME_{k,v}.npy` + `NAME.json` (the uid
+  of each row) and reused record by record while the target and the sequence
+  length are the same: after more data is regenerated only the new records
+  are computed. A cache made for more draft layers serves fewer — its last L
+  layers — so an L = 2, 4, 6, 8 ablation that shares one directory runs the
+  target's clean pass once."""
+  n = len(packer.records)
   if not d:
-    return compute()
-  key = {"fingerprint": fingerprint, "seq_len": packer.seq_len,
-         "num_layers": dcfg.num_layers,
-         "uids": hashlib.sha256("\n".join(r.uid for r in packer.records).encode()
-                                ).hexdigest()}
-  key_path = os.path.join(d, f"{name}.json")
-  if os.path.exists(key_path):
-    with open(key_path) as f:
-      found = json.load(f)
-    cached_layers = found.pop("num_layers", 0)
-    if found == {k: v for k, v in key.items() if k != "num_layers"} and (
-        cached_layers >= dcfg.num_layers):
-      return tuple(np.load(os.path.join(d, f"{name}_{c}.npy"), mmap_mode="r")
-                   [:, cached_layers - dcfg.num_layers:] for c in "kv")
-  kv = compute()
-  if jax.process_index() == 0:
-    os.makedirs(d, exist_ok=True)
-    for c, x in zip("kv", kv):
-      np.save(os.path.join(d, f"{name}_{c}.tmp.npy"), x)
-      os.replace(os.path.join(d, f"{name}_{c}.tmp.npy"), os.path.join(d, f"{name}_{c}.npy"))
-    with open(key_path, "w") as f:
-      json.dump(key, f)
-  return kv
+    return compute(list(range(n)))
+  uids = [r.uid for r in packer.records]
+  key = {"fingerprint": fingerprint, "seq_len": packer.seq_len}
+  sources = _cached_sources(d, key, dcfg.num_layers)
+  if name in sources and sources[name][0] == uids:
+    return sources[name][1:]
+  found = {}
+  for src, (src_uids, _, _) in sources.items():
+    for row, uid in enumerate(src_uids):
+      found.setdefault(uid, (src, row))
+  missing = [i for i, uid in enumerate(uids) if uid not in found]
+  print(f"clean K/V ({name}): {n - len(missing)} of {n} records cached in {d}, "
+        f"computing {len(missing)}", flush=True)
+  new = compute(missing) if missing else None
+  if jax.process_index() != 0:  # only the first process writes the cache
+    return _assemble(n, uids, missing, new, found, sources, lambda shape, dt, c:
+                     np.zeros(shape, dt))
+  os.makedirs(d, exist_ok=True)
+  tmp = {c: os.path.join(d, f"{name}_{c}.tmp.npy") for c in "kv"}
+  out = _assemble(n, uids, missing, new, found, sources, lambda shape, dt, c:
+                  np.lib.format.open_memmap(tmp[c], "w+", dt, shape))
+  for c, x in zip("kv", out):
+    x.flush()
+  del out
+  for c in "kv":
+    os.replace(tmp[c], os.path.join(d, f"{name}_{c}.npy"))
+  with open(os.path.join(d, f"{name}.json"), "w") as f:
+    json.dump(dict(key, num_layers=dcfg.num_layers, uids=uids), f)
+  return tuple(np.load(os.path.join(d, f"{name}_{c}.npy"), mmap_mode="r") for c in "kv")
+
+
+def _assemble(n, uids, missing, new, found, sources, alloc):
+  """[n, ...] K and V from the computed rows `new` (of `missing`) and the
+  cached ones; `alloc(shape, dtype, "k"|"v")` makes each output array."""
+  like = new[0] if new is not None else sources[found[uids[0]][0]][1]
+  out = tuple(alloc((n,) + like.shape[1:], like.dtype, c) for c in "kv")
+  for i, uid in enumerate(uids):
+    if uid in found:
+      src, row = found[uid]
+      for x, cached in zip(out, sources[src][1:]):
+        x[i] = cached[row]
+  if new is not None:
+    for x, computed in zip(out, new):
+      x[missing] = computed
+  return out
 
 
 def _host_drafter(config, state: TrainState, fingerprint: str, fixed=None) -> Drafter:
