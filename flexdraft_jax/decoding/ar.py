@@ -32,16 +32,3 @@ def ar_step(target_params, cfg, state: DecodeState, *, sp: SamplingParams,
       steps=state.steps + 1,
       accept_hist=state.accept_hist.at[hist_idx].add(jnp.sum(live)))
 
-
-def ar_loop(target_params, cfg, state: DecodeState, *, sp: SamplingParams,
-            max_new, stop_ids, attn_impl: str = "xla") -> DecodeState:
-  """All AR steps in one `lax.while_loop`: no host round trip per token."""
-
-  def body(st):
-    return ar_step(target_params, cfg, st, sp=sp, max_new=max_new,
-                   stop_ids=stop_ids, attn_impl=attn_impl)
-
-  def cond(st):
-    return ~jnp.all(st.done_B)
-
-  return jax.lax.while_loop(cond, body, state)

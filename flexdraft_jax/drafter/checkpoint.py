@@ -183,7 +183,3 @@ def load_drafter(path: str, target) -> Drafter:
   params = unflatten({k: jnp.asarray(v) if k == "vocab" else
                       jnp.asarray(v.astype(np.float32), dtype) for k, v in flat.items()})
   return Drafter(dcfg, params, meta["target"]["fingerprint"])
-
-
-def size_bytes(path: str) -> int:
-  return sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path))

@@ -130,7 +130,7 @@ def load_gguf(path: str, dtype, layout: str = "stacked") -> tuple:
       x = unpermute_rows(x, heads[key])
     return x.T if key in _MATRICES else x
 
-  params = weights.stack_params(
+  params = weights.build_params(
       cfg, lambda k: fetch(k, _GLOBAL_NAMES[k]),
       lambda k, i: fetch(k, f"blk.{i}.{_LAYER_NAMES[k]}"), dtype, layout)
   tokenizer = Tokenizer.from_gguf_fields(meta)

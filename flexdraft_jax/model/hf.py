@@ -169,7 +169,7 @@ def load_hf_dir(path: str, dtype, layout: str = "stacked") -> tuple:
     x = store.get(name)
     return x.T if key in _MATRICES else x
 
-  params = weights.stack_params(
+  params = weights.build_params(
       cfg, lambda k: fetch(k, _GLOBAL_NAMES[k]),
       lambda k, i: fetch(k, f"model.layers.{i}.{_LAYER_NAMES[k]}"), dtype, layout)
   tokenizer = None

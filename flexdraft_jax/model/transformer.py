@@ -20,6 +20,7 @@ compute exactly what the target alone computes (SPEC §1).
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple, Optional
 
@@ -131,13 +132,19 @@ def _layer(layers, i):
 
 
 def _project_qkv(ap, x_BxTxH, pos_BxT, cfg: ModelConfig):
-  B, T, _ = x_BxTxH.shape
-  q, k, v = (x_BxTxH @ ap["q"], x_BxTxH @ ap["k"], x_BxTxH @ ap["v"])
+  """Queries `[B, T, N, D]`, RoPE'd keys and values `[B, T, K, D]`."""
+  N, K, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+  q_BxTxND = jnp.einsum("BTH,HF->BTF", x_BxTxH, ap["q"])
+  k_BxTxKD = jnp.einsum("BTH,HF->BTF", x_BxTxH, ap["k"])
+  v_BxTxKD = jnp.einsum("BTH,HF->BTF", x_BxTxH, ap["v"])
   if cfg.attention_bias:
-    q, k, v = q + ap["q_bias"], k + ap["k_bias"], v + ap["v_bias"]
-  q = q.reshape(B, T, cfg.num_heads, cfg.head_dim)
-  k = k.reshape(B, T, cfg.num_kv_heads, cfg.head_dim)
-  v = v.reshape(B, T, cfg.num_kv_heads, cfg.head_dim)
+    q_BxTxND = q_BxTxND + ap["q_bias"]
+    k_BxTxKD = k_BxTxKD + ap["k_bias"]
+    v_BxTxKD = v_BxTxKD + ap["v_bias"]
+  B, T = pos_BxT.shape
+  q = q_BxTxND.reshape(B, T, N, D)
+  k = k_BxTxKD.reshape(B, T, K, D)
+  v = v_BxTxKD.reshape(B, T, K, D)
   if cfg.qk_norm:
     q = rms_norm(q, ap["q_norm"], cfg.rms_norm_eps)
     k = rms_norm(k, ap["k_norm"], cfg.rms_norm_eps)
@@ -145,7 +152,10 @@ def _project_qkv(ap, x_BxTxH, pos_BxT, cfg: ModelConfig):
 
 
 def _mlp(lp, x_BxTxH):
-  return (jax.nn.silu(x_BxTxH @ lp["gate"]) * (x_BxTxH @ lp["up"])) @ lp["down"]
+  """SwiGLU feed-forward."""
+  gate_BxTxF = jax.nn.silu(jnp.einsum("BTH,HF->BTF", x_BxTxH, lp["gate"]))
+  up_BxTxF = jnp.einsum("BTH,HF->BTF", x_BxTxH, lp["up"])
+  return jnp.einsum("BTF,FH->BTH", gate_BxTxF * up_BxTxF, lp["down"])
 
 
 def _write(cache, i, pos_BxT, new_BxTxKxD):
@@ -159,47 +169,57 @@ def _write(cache, i, pos_BxT, new_BxTxKxD):
   return cache.at[idx].set(new_BxTxKxD.astype(cache.dtype), mode="drop")
 
 
-def _layer_step(cfg, impl, kv_block, lp, dp, h_BxTxH, hm_BxMxH, ck, cv, i, pos_BxT, masks):
-  """One decoder layer on clean rows (may be empty) and mask rows (may be None)."""
+def _residual(lp, out_proj, h_BxTxH, o_BxTxND, eps):
+  """Attention output projection, residual, then the (frozen) MLP block."""
+  h = h_BxTxH + jnp.einsum("BTF,FH->BTH", o_BxTxND, out_proj)
+  return h + _mlp(lp, rms_norm(h, lp["post_norm"], eps))
+
+
+def _layer_step(*, cfg, lp, dp, h_BxTxH, hm_BxMxH, ck, cv, layer, pos_BxT, masks,
+                attn_impl, kv_block):
+  """One decoder layer on clean rows (T may be 0) and mask rows (`hm_BxMxH`
+  None: none). Clean rows write their K/V into the cache (stacked caches at
+  index `layer`; per-layer ones when `layer` is None); mask rows read the
+  cache and their own group's K/V but write nothing. `lp` are the target's
+  weights, `dp` the draft projectors (mask rows only).
+  Returns (h_BxTxH, hm_BxMxH or None, ck, cv)."""
   eps = cfg.rms_norm_eps
   T = h_BxTxH.shape[1]
-  qs, limits, groups = [], [], []
+  with_masks = hm_BxMxH is not None
+  q_rows, limits, groups = [], [], []
   if T:
-    x = rms_norm(h_BxTxH, lp["input_norm"], eps)
-    q, k, v = _project_qkv(lp, x, pos_BxT, cfg)
-    ck = _write(ck, i, pos_BxT, k)
-    cv = _write(cv, i, pos_BxT, v)
-    qs.append(q)
+    q, k, v = _project_qkv(lp, rms_norm(h_BxTxH, lp["input_norm"], eps), pos_BxT, cfg)
+    ck, cv = _write(ck, layer, pos_BxT, k), _write(cv, layer, pos_BxT, v)
+    q_rows.append(q)
     limits.append(pos_BxT)
     groups.append(jnp.full((T,), -1, jnp.int32))
-  xk = xv = None
-  if hm_BxMxH is not None:
-    xm = rms_norm(hm_BxMxH, lp["input_norm"], eps)
-    qm, xk, xv = _project_qkv(dp, xm, masks.pos_BxM, cfg)
-    qs.append(qm)
+  mask_k = mask_v = None
+  if with_masks:
+    qm, mask_k, mask_v = _project_qkv(dp, rms_norm(hm_BxMxH, lp["input_norm"], eps),
+                                      masks.pos_BxM, cfg)
+    q_rows.append(qm)
     limits.append(masks.limit_BxM)
     groups.append(masks.group_M.astype(jnp.int32))
-  q_group = jnp.concatenate(groups)
-  o = attention.attend(
-      jnp.concatenate(qs, axis=1), ck if i is None else ck[i],
-      cv if i is None else cv[i], jnp.concatenate(limits, axis=1),
-      xk, xv, q_group, None if hm_BxMxH is None else masks.group_M, impl=impl,
-      kv_block=kv_block)
-  o = o.reshape(o.shape[0], o.shape[1], -1)
-  outs = []
+  o_BxRxNxD = attention.attend(
+      jnp.concatenate(q_rows, axis=1), ck if layer is None else ck[layer],
+      cv if layer is None else cv[layer], jnp.concatenate(limits, axis=1),
+      mask_k, mask_v, jnp.concatenate(groups), masks.group_M if with_masks else None,
+      impl=attn_impl, kv_block=kv_block)
+  o_BxRxND = o_BxRxNxD.reshape(o_BxRxNxD.shape[:2] + (-1,))
   if T:
-    h = h_BxTxH + o[:, :T] @ lp["o"]
-    h = h + _mlp(lp, rms_norm(h, lp["post_norm"], eps))
-    outs.append(h)
-  else:
-    outs.append(h_BxTxH)
-  if hm_BxMxH is not None:
-    hm = hm_BxMxH + o[:, T:] @ dp["o"]
-    hm = hm + _mlp(lp, rms_norm(hm, lp["post_norm"], eps))
-    outs.append(hm)
-  else:
-    outs.append(None)
-  return outs[0], outs[1], ck, cv
+    h_BxTxH = _residual(lp, lp["o"], h_BxTxH, o_BxRxND[:, :T], eps)
+  if with_masks:
+    hm_BxMxH = _residual(lp, dp["o"], hm_BxMxH, o_BxRxND[:, T:], eps)
+  return h_BxTxH, hm_BxMxH, ck, cv
+
+
+def _clean_input(params, cfg, tokens_BxT, pos_BxT, masks):
+  """The clean rows' embeddings and positions; a mask-only pass gets T = 0."""
+  if tokens_BxT is None:
+    B = masks.pos_BxM.shape[0]
+    return (jnp.zeros((B, 0, cfg.hidden_size), params["embed"].dtype),
+            jnp.zeros((B, 0), jnp.int32))
+  return embed(params, tokens_BxT), pos_BxT
 
 
 def forward(params, cfg: ModelConfig, cache: KVCache,
@@ -219,78 +239,59 @@ def forward(params, cfg: ModelConfig, cache: KVCache,
   Returns:
     (h_clean [B, T, H] or None, h_mask [B, M, H] or None, cache) — hidden
     states before the final norm; the cache holds the clean K/V written.
+
+  Stacked weights (`[n, ...]` leaves) run as two `lax.scan`s (shallow layers,
+  deep layers); per-layer weights (`unstack_layers`) as a Python loop: XLA:CPU
+  copies each layer's slice out of stacked weights before its matmuls, which
+  doubles the bytes a decode step moves, while separate arrays are read in
+  place.
   """
   n = cfg.num_layers
   s = n - num_draft_layers if masks is not None else n
+  clean = tokens_BxT is not None
+  h, pos_BxT = _clean_input(params, cfg, tokens_BxT, pos_BxT, masks)
+  step = functools.partial(_layer_step, cfg=cfg, pos_BxT=pos_BxT, masks=masks,
+                           attn_impl=attn_impl, kv_block=kv_block)
+  if is_per_layer(params):
+    ck, cv = list(cache.k), list(cache.v)
+    hm = None
+    for i in range(0 if clean else s, n):
+      if i == s and masks is not None:
+        hm = mask_input(draft, masks, h.dtype)
+      dp = _layer(draft["layers"], i - s) if hm is not None else None
+      h, hm, ck[i], cv[i] = step(lp=params["layers"][i], dp=dp, h_BxTxH=h, hm_BxMxH=hm,
+                                 ck=ck[i], cv=cv[i], layer=None)
+    return (h if clean else None), hm, KVCache(tuple(ck), tuple(cv))
+
   layers = params["layers"]
-  if isinstance(layers, (list, tuple)):
-    return _forward_unrolled(params, cfg, cache, tokens_BxT, pos_BxT, draft, masks,
-                             s, attn_impl, kv_block)
   ck, cv = cache
-  if tokens_BxT is None:
-    B = masks.pos_BxM.shape[0]
-    h = jnp.zeros((B, 0, cfg.hidden_size), params["embed"].dtype)
-    pos_BxT = jnp.zeros((B, 0), jnp.int32)
-  else:
-    h = embed(params, tokens_BxT)
 
   def shallow(carry, i):
     h, ck, cv = carry
-    h, _, ck, cv = _layer_step(cfg, attn_impl, kv_block, _layer(layers, i), None, h, None,
-                               ck, cv, i, pos_BxT, None)
+    h, _, ck, cv = step(lp=_layer(layers, i), dp=None, h_BxTxH=h, hm_BxMxH=None,
+                        ck=ck, cv=cv, layer=i)
     return (h, ck, cv), None
 
-  if tokens_BxT is not None and s > 0:
+  if clean and s > 0:
     (h, ck, cv), _ = jax.lax.scan(shallow, (h, ck, cv), jnp.arange(s))
   if masks is None:
     return h, None, KVCache(ck, cv)
 
-  hm = mask_input(draft, masks, h.dtype)
-
   # A mask-only pass may get the cache of the deep layers alone (training).
   offset = n - ck.shape[0]
-  if offset and (tokens_BxT is not None or offset > s):
+  if offset and (clean or offset > s):
     raise ValueError(f"a cache of {ck.shape[0]} layers serves only a mask-only pass "
                      f"over the last {n - s} layers")
 
   def deep(carry, i):
     h, hm, ck, cv = carry
-    h, hm, ck, cv = _layer_step(cfg, attn_impl, kv_block, _layer(layers, i),
-                                _layer(draft["layers"], i - s), h, hm,
-                                ck, cv, i - offset, pos_BxT, masks)
+    h, hm, ck, cv = step(lp=_layer(layers, i), dp=_layer(draft["layers"], i - s),
+                         h_BxTxH=h, hm_BxMxH=hm, ck=ck, cv=cv, layer=i - offset)
     return (h, hm, ck, cv), None
 
+  hm = mask_input(draft, masks, h.dtype)
   (h, hm, ck, cv), _ = jax.lax.scan(deep, (h, hm, ck, cv), jnp.arange(s, n))
-  return (h if tokens_BxT is not None else None), hm, KVCache(ck, cv)
-
-
-def _forward_unrolled(params, cfg, cache, tokens_BxT, pos_BxT, draft, masks, s,
-                      attn_impl, kv_block):
-  """`forward` over per-layer weights and caches (see `unstack_layers`).
-
-  A Python loop instead of a scan: XLA:CPU copies each layer's slice out of
-  stacked weights before its matmuls, which doubles the bytes a decode step
-  moves; separate arrays are read in place.
-  """
-  ck, cv = list(cache.k), list(cache.v)
-  if tokens_BxT is None:
-    B = masks.pos_BxM.shape[0]
-    h = jnp.zeros((B, 0, cfg.hidden_size), params["embed"].dtype)
-    pos_BxT = jnp.zeros((B, 0), jnp.int32)
-    first = s
-  else:
-    h = embed(params, tokens_BxT)
-    first = 0
-  hm = None
-  for i in range(first, cfg.num_layers):
-    dp = None
-    if i == s and masks is not None:
-      hm = mask_input(draft, masks, h.dtype)
-    if i >= s and masks is not None:
-      dp = _layer(draft["layers"], i - s)
-    h, hm, ck[i], cv[i] = _layer_step(cfg, attn_impl, kv_block, params["layers"][i], dp,
-                                      h, hm, ck[i], cv[i], None, pos_BxT, masks)
-  return (h if tokens_BxT is not None else None), hm, KVCache(tuple(ck), tuple(cv))
+  return (h if clean else None), hm, KVCache(ck, cv)
 
 
 def is_per_layer(params) -> bool:

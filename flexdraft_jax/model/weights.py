@@ -58,9 +58,10 @@ def check_layout(layout: str) -> None:
     raise FlexDraftError(f"layout must be 'stacked' or 'layers', got {layout!r}")
 
 
-def stack_params(cfg: ModelConfig, fetch_global: FetchGlobal, fetch_layer: FetchLayer,
+def build_params(cfg: ModelConfig, fetch_global: FetchGlobal, fetch_layer: FetchLayer,
                  dtype, layout: str = "stacked") -> dict:
-  """The target pytree; one key at a time so host memory stays at one stacked tensor.
+  """The target pytree in either layout; one key at a time, so host memory holds
+  at most one stacked tensor beyond the result.
 
   layout: "stacked" (`layers[key]` is `[n, ...]`; training scans over it) or
     "layers" (`layers[i][key]`: what decoding reads, without ever building the
