@@ -7,6 +7,7 @@ them to 1 / 0, which would hide a missing or misplaced norm/bias).
 from __future__ import annotations
 
 import os
+import tempfile
 
 import numpy as np
 import pytest
@@ -172,5 +173,12 @@ def hf_llama_from_target(target):
 
 
 def pytest_configure(config):
-  config.addinivalue_line(
-      "markers", "slow: uses real model weights (still runs by default)")
+  """One persistent XLA compile cache for the whole suite (and the subprocesses
+  tests start): the same tiny targets are compiled by many tests and by every
+  rerun. `$FLEXDRAFT_TEST_XLA_CACHE` moves it; the `slow` marker is registered
+  in setup.cfg."""
+  import jax
+  jax.config.update("jax_compilation_cache_dir", os.environ.get(
+      "FLEXDRAFT_TEST_XLA_CACHE",
+      os.path.join(tempfile.gettempdir(), f"flexdraft_test_xla_cache_{os.getuid()}")))
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)

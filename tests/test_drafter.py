@@ -2,15 +2,13 @@
 
 import json
 import os
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import tiny  # noqa: E402
+from tests import tiny  # noqa: E402
 
 from flexdraft_jax.drafter import checkpoint as ckpt  # noqa: E402
 from flexdraft_jax.drafter.model import (Drafter, DrafterConfig, draft_logits,  # noqa: E402

@@ -5,7 +5,6 @@ import os
 import socket
 import subprocess
 import sys
-import tempfile
 import types
 
 import jax
@@ -13,19 +12,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import tiny  # noqa: E402
+from tests import tiny  # noqa: E402
 
 from flexdraft_jax.drafter import checkpoint as drafter_ckpt  # noqa: E402
 from flexdraft_jax.drafter.model import DrafterConfig, init_draft_params  # noqa: E402
 from flexdraft_jax.model import transformer  # noqa: E402
 from flexdraft_jax.training import data, loss as loss_lib, sharding, train  # noqa: E402
 
-# Compiled steps are shared between the runs of this file (and its subprocesses).
-XLA_CACHE = os.environ.get("FLEXDRAFT_TEST_XLA_CACHE", os.path.join(
-    tempfile.gettempdir(), f"flexdraft_test_xla_cache_{os.getuid()}"))
-jax.config.update("jax_compilation_cache_dir", XLA_CACHE)
-jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+# Subprocesses share the suite's compile cache (tests/conftest.py).
+XLA_CACHE = jax.config.jax_compilation_cache_dir
 
 STEPS = 24
 
@@ -293,8 +288,9 @@ def test_resume_gives_the_uninterrupted_result(tmp_path, regen, reference):
 
 _DRIVER = r"""
 import sys, numpy as np
-sys.path.insert(0, {tests!r})
-import jax, tiny
+sys.path.insert(0, {repo!r})
+import jax
+from tests import tiny
 jax.config.update("jax_compilation_cache_dir", {cache!r})
 from flexdraft_jax.training import train
 from flexdraft_jax.drafter.checkpoint import flatten
@@ -317,7 +313,7 @@ def _free_port():
 
 
 def _launch(workdir, regen_dir, devices, num_processes=1, model=1):
-  code = _DRIVER.format(tests=os.path.dirname(os.path.abspath(__file__)),
+  code = _DRIVER.format(repo=tiny.REPO,
                         cache=XLA_CACHE, regen=regen_dir, steps=STEPS)
   # generous collective timeouts: the CPU may be shared and slow
   flags = (f"--xla_force_host_platform_device_count={devices} "
