@@ -1,4 +1,4 @@
-"""A random tiny target (`random:tiny`, see flexdraft_jax/training/targets.py) for tests.
+"""A random tiny target (`random:tiny`, see flexdraft_jax/model/random_target.py) for tests.
 
   python -m flexdraft_jax regenerate --config configs/tiny_test.py \
       --config.data.regen_dir=/tmp/tiny_regen

@@ -23,9 +23,6 @@ def load_target(spec: str, dtype: str = "float32", layout: str = "stacked"):
   weights once, where a "stacked" target (what training needs) also gets a
   per-layer copy the first time it decodes.
   """
-  if isinstance(spec, str) and spec.startswith("random:"):
-    from flexdraft_jax.training import targets
-    return targets.load(spec, dtype, layout)
   from flexdraft_jax.model import loading
   return loading.load_target(spec, dtype, layout)
 

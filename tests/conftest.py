@@ -9,8 +9,9 @@ from __future__ import annotations
 import os
 import tempfile
 
-import numpy as np
 import pytest
+
+from flexdraft_jax.model.hf_reference import hf_llama_from_target
 
 TINY_CHAT_TEMPLATE = """\
 {%- if messages[0].role == 'system' %}
@@ -139,37 +140,6 @@ def smollm2_target():
 def smollm2_hf_model(smollm2_target):
   """An HF LlamaForCausalLM (torch fp32) holding SmolLM2's dequantized weights."""
   return hf_llama_from_target(smollm2_target)
-
-
-def hf_llama_from_target(target):
-  """An HF LlamaForCausalLM (torch fp32, tied) holding a loaded Llama target's weights."""
-  import torch
-  import transformers
-  cfg = target.config
-  hf_cfg = transformers.LlamaConfig(
-      vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
-      intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_layers,
-      num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
-      head_dim=cfg.head_dim, rope_theta=cfg.rope_theta, rms_norm_eps=cfg.rms_norm_eps,
-      max_position_embeddings=cfg.max_position_embeddings, tie_word_embeddings=True,
-      attn_implementation="eager")
-  model = transformers.LlamaForCausalLM(hf_cfg).eval()
-  p, lp = target.params, target.params["layers"]
-  t = lambda x: torch.from_numpy(np.array(x, dtype=np.float32))
-  state = {"model.embed_tokens.weight": t(p["embed"]), "model.norm.weight": t(p["final_norm"])}
-  names = {"input_norm": "input_layernorm", "post_norm": "post_attention_layernorm",
-           "q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj",
-           "o": "self_attn.o_proj", "gate": "mlp.gate_proj", "up": "mlp.up_proj",
-           "down": "mlp.down_proj"}
-  for i in range(cfg.num_layers):
-    for key, hf_name in names.items():
-      w = lp[key][i]
-      state[f"model.layers.{i}.{hf_name}.weight"] = t(w.T if w.ndim == 2 else w)
-  result = model.load_state_dict(state, strict=False)
-  assert set(result.missing_keys) <= {"lm_head.weight"}, result
-  assert not result.unexpected_keys, result
-  assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
-  return model
 
 
 def pytest_configure(config):

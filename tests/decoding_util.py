@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -11,6 +10,7 @@ import numpy as np
 
 from flexdraft_jax.drafter.model import Drafter, DrafterConfig, init_draft_params
 from flexdraft_jax.model.config import ModelConfig
+from flexdraft_jax.model.loading import Target
 
 
 class IdTokenizer:
@@ -25,14 +25,6 @@ class IdTokenizer:
 
   def apply_chat_template(self, text, **_):
     return self.encode(text)
-
-
-class TinyTarget(NamedTuple):
-  config: ModelConfig
-  params: Any
-  tokenizer: Any
-  name: str
-  fingerprint: str
 
 
 def tiny_target(vocab=64, layers=4, seed=0, qk_norm=True, eos=1, scale=0.35):
@@ -54,7 +46,7 @@ def tiny_target(vocab=64, layers=4, seed=0, qk_norm=True, eos=1, scale=0.35):
   if qk_norm:
     params["layers"]["q_norm"] = 1 + w(n, 8, std=0.2)
     params["layers"]["k_norm"] = 1 + w(n, 8, std=0.2)
-  return TinyTarget(cfg, params, IdTokenizer(), f"tiny-{seed}", f"fp-tiny-{seed}-{vocab}")
+  return Target(cfg, params, IdTokenizer(), f"tiny-{seed}", f"fp-tiny-{seed}-{vocab}")
 
 
 def random_drafter(target, num_layers=2, block_size=4, seed=1, noise=0.0):

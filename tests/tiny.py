@@ -7,14 +7,15 @@ import os
 
 import numpy as np
 
-from flexdraft_jax.training import data, targets
+from flexdraft_jax.model import random_target
+from flexdraft_jax.training import data
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def tiny_target(name: str = "tiny", seed: int = 0):
   """A random target (`random:NAME:SEED`): ModelConfig + params + byte tokenizer."""
-  return targets.random_target(name, seed)
+  return random_target.random_target(name, seed)
 
 
 def fake_records(target, n: int, seed: int = 0) -> list:

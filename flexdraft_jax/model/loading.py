@@ -1,4 +1,5 @@
-"""`load_target`: a target model from an HF directory, a GGUF file or a builtin name."""
+"""`load_target`: a target model from an HF directory, a GGUF file, a builtin name
+or `random:NAME` (tests)."""
 
 from __future__ import annotations
 
@@ -75,8 +76,9 @@ def load_target(spec: str, dtype="float32", layout: str = "stacked") -> Target:
   """Loads a target model.
 
   Args:
-    spec: an HF safetensors directory (Llama / Qwen2 / Qwen3), a `.gguf` path, or
-      a builtin name (see `BUILTINS`).
+    spec: an HF safetensors directory (Llama / Qwen2 / Qwen3), a `.gguf` path,
+      a builtin name (see `BUILTINS`), or `random:NAME[:SEED]` — a random tiny
+      model for tests (model/random_target.py).
     dtype: dtype of the parameter leaves ("float32", "bfloat16", ...).
     layout: "stacked" (layers on axis 0; what training scans over) or "layers"
       (a list of per-layer dicts: what decoding reads). Decoding a stacked
@@ -85,6 +87,9 @@ def load_target(spec: str, dtype="float32", layout: str = "stacked") -> Target:
   Raises:
     FlexDraftError: with a one-line message naming what is wrong.
   """
+  if isinstance(spec, str) and spec.startswith("random:"):
+    from flexdraft_jax.model import random_target
+    return random_target.load(spec, dtype, layout)
   spec = os.path.expanduser(os.fspath(spec))
   kind, path, name = _resolve(spec)
   dtype = jnp.dtype(dtype)

@@ -5,7 +5,6 @@
   loss.py        dual-path training loss and offline metrics (τ, per-slot accuracy)
   train.py       `python -m flexdraft_jax train`: optimizer, loop, checkpoints
   sharding.py    mesh, logical-axis rules, multi-process start-up
-  targets.py     target specs, including random tiny targets for tests
   config.py      the shared config shape (configs/*.py fill it in), CLI flags
   metrics_log.py metrics.csv + TensorBoard scalars (tensorboardX, no TensorFlow)
 """

@@ -19,7 +19,8 @@ import time
 import tqdm
 
 from flexdraft_jax.model.config import FlexDraftError
-from flexdraft_jax.training import data, targets
+from flexdraft_jax.model.loading import load_target
+from flexdraft_jax.training import data
 
 
 def _generate_fn():
@@ -65,7 +66,7 @@ def regenerate(config, *, limit: int = 0, max_minutes: float = 0.0) -> dict:
   > 0 starts no new batch after that long; the dataset is built either way."""
   dc = config.data
   regen_dir = os.path.abspath(dc.regen_dir)
-  target = targets.load(config.target, config.dtype)
+  target = load_target(config.target, config.dtype)
   chat_kwargs = dict(dc.chat_kwargs)
   meta = {"target": target.name, "target_fingerprint": target.fingerprint,
           "max_new_tokens": dc.max_new_tokens, "chat_kwargs": chat_kwargs,

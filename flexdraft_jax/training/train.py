@@ -34,7 +34,8 @@ from flexdraft_jax.drafter import checkpoint as drafter_ckpt
 from flexdraft_jax.drafter.model import (Drafter, DrafterConfig, init_draft_params,
                                          trainable)
 from flexdraft_jax.model.config import FlexDraftError
-from flexdraft_jax.training import data, loss as loss_lib, sharding, targets
+from flexdraft_jax.model.loading import load_target
+from flexdraft_jax.training import data, loss as loss_lib, sharding
 from flexdraft_jax.training.metrics_log import MetricsLog
 
 DECAY_KEYS = ("q", "k", "v", "o", "w1", "w2")
@@ -150,7 +151,7 @@ def _eval_metrics(sums: list) -> dict:
 def _setup(config, workdir=None):
   """Target, data, mesh, initial state and jitted steps."""
   tc = config.train
-  target = targets.load(config.target, config.dtype)
+  target = load_target(config.target, config.dtype)
   cfg, dcfg = target.config, drafter_config(config)
   dcfg.validate(cfg)
   if tc.seq_len < dcfg.block_size + 2:

@@ -1,8 +1,7 @@
-"""Target specs for training: real checkpoints via `model.loading`, or random tiny ones.
+"""Random tiny targets: `load_target("random:NAME[:SEED]")` (model/loading.py).
 
-`load(spec, dtype)` accepts everything `flexdraft_jax.model.loading.load_target`
-does, plus `random:NAME[:SEED]` — a randomly initialised tiny model with a byte
-tokenizer, for tests and the `tiny_test` config. NAME is one of RANDOM_CONFIGS:
+A randomly initialised tiny model with a byte tokenizer, for tests and the
+`tiny_test` config. NAME is one of RANDOM_CONFIGS:
 `tiny` (Llama-style, tied embeddings), `tiny-qwen3` (qk-norm, untied head),
 `tiny-qwen2` (q/k/v biases).
 """
@@ -11,13 +10,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Any, NamedTuple
 
 import jax.numpy as jnp
 import numpy as np
 
 from flexdraft_jax.model import transformer, weights
 from flexdraft_jax.model.config import FlexDraftError, ModelConfig
+from flexdraft_jax.model.loading import Target
 
 
 class ByteTokenizer:
@@ -43,15 +42,6 @@ class ByteTokenizer:
     if add_generation_prompt:
       ids += [self.IM_START] + self.encode("assistant\n")
     return ids
-
-
-class RandomTarget(NamedTuple):
-  """Same fields as `model.loading.Target`."""
-  config: ModelConfig
-  params: Any
-  tokenizer: Any
-  name: str
-  fingerprint: str
 
 
 _BASE = dict(vocab_size=ByteTokenizer.vocab_size, hidden_size=64,
@@ -96,27 +86,21 @@ def random_params(cfg: ModelConfig, seed: int = 0, dtype=jnp.float32):
   return params
 
 
-def random_target(name: str = "tiny", seed: int = 0, dtype=jnp.float32) -> RandomTarget:
+def random_target(name: str = "tiny", seed: int = 0, dtype=jnp.float32) -> Target:
   if name not in RANDOM_CONFIGS:
     raise FlexDraftError(f"unknown random target {name!r} "
                          f"(known: {', '.join(RANDOM_CONFIGS)})")
   cfg = RANDOM_CONFIGS[name]
   fp = hashlib.sha256(json.dumps([repr(cfg), seed]).encode()).hexdigest()[:16]
-  return RandomTarget(cfg, random_params(cfg, seed, dtype), ByteTokenizer(),
+  return Target(cfg, random_params(cfg, seed, dtype), ByteTokenizer(),
                       f"random:{name}:{seed}", fp)
 
 
-def load(spec: str, dtype="float32", layout: str = "stacked"):
-  """Loads a target by spec: `random:NAME[:SEED]` here, anything else through
-  `flexdraft_jax.model.loading.load_target` (see there for `layout`)."""
-  dtype = jnp.dtype(dtype)
-  if spec.startswith("random:"):
-    parts = spec.split(":")
-    if len(parts) > 3 or (len(parts) == 3 and not parts[2].isdigit()):
-      raise FlexDraftError(f"random target spec must be random:NAME[:SEED], got {spec!r}")
-    weights.check_layout(layout)
-    t = random_target(parts[1], int(parts[2]) if len(parts) == 3 else 0, dtype)
-    return t if layout == "stacked" else t._replace(params=transformer.unstack_layers(t.params))
-  from flexdraft_jax.model import loading  # heavy (tokenizers, gguf): only when needed
-  return loading.load_target(spec, dtype, layout)
-
+def load(spec: str, dtype, layout: str = "stacked") -> Target:
+  """`random:NAME[:SEED]` in either layout (see model/loading.py)."""
+  parts = spec.split(":")
+  if len(parts) > 3 or (len(parts) == 3 and not parts[2].isdigit()):
+    raise FlexDraftError(f"random target spec must be random:NAME[:SEED], got {spec!r}")
+  weights.check_layout(layout)
+  t = random_target(parts[1], int(parts[2]) if len(parts) == 3 else 0, jnp.dtype(dtype))
+  return t if layout == "stacked" else t._replace(params=transformer.unstack_layers(t.params))
