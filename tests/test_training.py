@@ -528,6 +528,20 @@ def test_training_with_a_draft_vocabulary(regen, target, tmp_path):
   assert out.token_ids == ref.token_ids
 
 
+def test_a_warm_started_run_is_scored_before_its_first_step(regen, target, tmp_path):
+  cfg = tiny.tiny_config(regen[0], num_steps=4, eval_every=4)
+  first = train.train(cfg, str(tmp_path / "a"))
+  cfg = tiny.tiny_config(regen[0], num_steps=2, eval_every=2)
+  cfg.train.init_from = str(tmp_path / "a" / "final_drafter")
+  train.train(cfg, str(tmp_path / "b"))
+  rows = _read_csv(tmp_path / "b" / "metrics.csv")
+  assert rows[0]["step"] == "0" and rows[0]["loss"] == ""
+  # the source drafter (stored in bf16) scores about what it scored when saved
+  assert abs(float(rows[0]["eval_tau"]) - first.summary["best_eval_tau"]) < 0.05
+  assert int(rows[0]["mask_rows"]) == first.summary["mask_rows"]
+  assert os.path.isdir(tmp_path / "b" / "best_drafter")
+
+
 def test_warm_start_keeps_weights_and_matches_calibration_by_token_id(target):
   cfg = target.config
   full_cfg = DrafterConfig(num_layers=2, block_size=4, calib_rank=16)

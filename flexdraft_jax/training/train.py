@@ -441,6 +441,18 @@ def train(config, workdir: str) -> TrainResult:
   rows_per_step = tc.batch_size * tc.anchors_per_seq * bs  # mask rows, global
   meta.setdefault("mask_rows", info.pop("init_mask_rows") + start * rows_per_step)
 
+  if evaluating and start == 0 and tc.init_from:
+    # A warm start is measured first: the held-out set may differ from the one
+    # the source drafter was scored on (more data moves it), and the run's
+    # best drafter must beat its starting point.
+    ev = _evaluate(eval_step, state.params, target_params, eval_packer, mesh, tc)
+    meta["best_tau"], meta["best_step"] = ev["eval_tau"], 0
+    _export(os.path.join(workdir, "best_drafter"), config, state, target, record(),
+            is_main, fixed)
+    log.write(0, {"mask_rows": meta["mask_rows"], **ev})
+    if is_main:
+      print(f"step 0 (warm start from {tc.init_from}): eval tau {ev['eval_tau']:.3f} "
+            f"loss {ev['eval_loss']:.3f}", flush=True)
   bar = tqdm.tqdm(total=end, initial=start, disable=not is_main, dynamic_ncols=True)
   t_last, s_last = time.perf_counter(), start
   for step in range(start, end):
