@@ -140,8 +140,10 @@ def _generate(ctx: Context, cell: Cell, rows: list, max_new: int = 0) -> tuple:
         temperature=cell.temperature,
         seed=ec.seed, drafter=drafter, mode=mode, batch_size=min(cell.batch_size, len(ids)),
         max_len=ctx.max_len[(cell.dataset, turn)], threshold=cell.theta,
-        strategy=ec.strategy, flex_threshold=_flex_threshold(ec.flex_threshold),
-        attn_impl=ec.attn_impl, block_size=ec.block_size or None)
+        strategy=ec.strategy, attn_impl=ec.attn_impl,
+        # only the modes they act on get them (generate warns otherwise)
+        flex_threshold=parse_flex_threshold(ec.flex_threshold) if mode == "flex" else "auto",
+        block_size=(ec.block_size or None) if mode != "ar" else None)
     for i, x, toks, text in zip(live, ids, res.token_ids, res.texts):
       answers[i].append(text)
       outputs[i].append([int(t) for t in toks])
@@ -150,7 +152,7 @@ def _generate(ctx: Context, cell: Cell, rows: list, max_new: int = 0) -> tuple:
   return outputs, prompt_ids, _merge(stats)
 
 
-def _flex_threshold(value):
+def parse_flex_threshold(value):
   if isinstance(value, str) and value != "auto":
     try:
       return int(value)
