@@ -50,6 +50,7 @@ def tiny_config(regen_dir: str, **train_overrides):
   spec.loader.exec_module(mod)
   c = mod.get_config()
   c.data.regen_dir = regen_dir
+  c.train.seq_len = 48  # fake_records are short (~40-60 tokens)
   for k, v in train_overrides.items():
     setattr(c.train, k, v)
   return c
