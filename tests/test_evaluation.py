@@ -17,10 +17,22 @@ from flexdraft_jax.evaluation import benchmarks, cells, report, sweep
 from flexdraft_jax.evaluation.benchmarks import BenchmarkPrompt
 from flexdraft_jax.model.config import FlexDraftError
 from flexdraft_jax.training.config import data_root
+from tests import data_fixture
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DATA = data_root()
-needs_data = pytest.mark.skipif(not os.path.isdir(DATA), reason=f"no benchmark files at {DATA}")
+needs_data = pytest.mark.skipif(not os.path.isdir(DATA), reason=(
+    f"needs the real benchmark files ({DATA}; set $FLEXDRAFT_DATA): CI has them"))
+
+
+@pytest.fixture(params=["fixture", "real"])
+def data_dir(request, tmp_path_factory):
+  """Benchmark files: small ones in each format (a clone has these), then the real ones."""
+  if request.param == "fixture":
+    return data_fixture.write(str(tmp_path_factory.mktemp("data")))
+  if not os.path.isdir(DATA):
+    pytest.skip(f"needs the real benchmark files ({DATA}; set $FLEXDRAFT_DATA): CI has them")
+  return DATA
 
 
 # ------------------------------------------------------------ benchmarks ----
@@ -37,8 +49,8 @@ def test_benchmark_counts(name, count, turns):
   assert all(r.benchmark == name and all(t.strip() for t in r.turns) for r in rows)
 
 
-@needs_data
-def test_prompt_formats():
+def test_prompt_formats(data_dir):
+  DATA = data_dir
   with open(os.path.join(DATA, "gsm8k", "test.jsonl")) as f:
     q0 = json.loads(f.readline())["question"]
   gsm = benchmarks.load_benchmark("gsm8k", DATA, 2)
