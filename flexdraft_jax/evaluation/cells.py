@@ -103,13 +103,14 @@ def _run_lengths(stats: list, key: str) -> dict:
 def _merge(stats: list) -> dict:
   """Stats of several generate calls (turns) as one."""
   s = {k: sum(x[k] for x in stats) for k in
-       ("decode_seconds", "prefill_seconds", "new_tokens", "steps",
-        "committed_tokens", "verified_row_steps")}
+       ("decode_seconds", "prefill_seconds", "compile_seconds", "flex_timing_seconds",
+        "new_tokens", "decode_tokens", "steps", "committed_tokens", "verified_row_steps")}
   hist = np.zeros(max(len(x["accept_hist"]) for x in stats), np.int64)
   for x in stats:
     hist[:len(x["accept_hist"])] += x["accept_hist"]
   s["accept_hist"] = hist.tolist()
-  s["tokens_per_second"] = s["new_tokens"] / max(s["decode_seconds"], 1e-9)
+  # as generate's stats: tokens of decode steps per decode second (SPEC §5)
+  s["tokens_per_second"] = s["decode_tokens"] / max(s["decode_seconds"], 1e-9)
   s["tau"] = s["committed_tokens"] / max(s["verified_row_steps"], 1)
   groups = _run_lengths(stats, "group_counts")
   s["mean_groups"] = (sum(int(g) * n for g, n in groups.items()) / sum(groups.values())
