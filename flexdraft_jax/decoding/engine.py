@@ -250,7 +250,7 @@ def check_options(*, max_new_tokens=128, temperature=0.0, top_k=None, top_p=None
     raise FlexDraftError(f"mode must be one of {MODES}, got {mode!r}")
   _check_int("max_new_tokens", max_new_tokens, 1)
   if batch_size is not None:
-    _check_int("batch_size", batch_size, 1, " (None: all prompts in one batch)")
+    _check_int("batch_size", batch_size, 1, " (unset: all prompts in one batch)")
   if max_len is not None:
     _check_int("max_len", max_len, 2)
   if block_size is not None:
