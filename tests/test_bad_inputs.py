@@ -14,10 +14,12 @@ import os
 import re
 import warnings
 
+import numpy as np
 import pytest
 
 import flexdraft_jax as fd
 from flexdraft_jax.__main__ import COMMANDS
+from flexdraft_jax.training import data
 from tests import tiny
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -249,6 +251,26 @@ def test_short_help_lists_the_key_flags(command, flags, capsys):
   out = capsys.readouterr().out
   for flag in flags:
     assert f"  {flag}:" in out, out
+
+
+def test_tiny_test_config_leaves_every_kept_prompt_an_anchor(capsys):
+  c = tiny.tiny_test_config()
+  T, bs = c.train.seq_len, c.drafter.block_size
+
+  def rec(prompt_len, answer_len):
+    return data.Record("u", "s", np.ones(prompt_len, np.int32), np.ones(answer_len, np.int32))
+
+  # the longest prompt regeneration keeps, with the shortest and longest answer
+  kept = [rec(c.data.max_prompt_tokens, n) for n in (1, c.data.max_new_tokens)]
+  assert data.without_anchor(kept, T, bs) == 0
+  assert data.without_anchor([rec(T - bs + 1, 1)], T, bs) == 1  # one token longer
+  data.check_anchors(kept + [rec(T, 5)], T, bs)  # some without: one warning line
+  assert capsys.readouterr().out == (
+      f"train: warning: 1 of 3 training sequences have no anchor block within "
+      f"seq_len={T} (their prompt leaves fewer than {bs + 1} tokens for the answer); "
+      "they add nothing\n")
+  with pytest.raises(fd.FlexDraftError, match=f"^2 of 3 training sequences"):
+    data.check_anchors(kept[:1] + [rec(T, 5)] * 2, T, bs)
 
 
 def render_table() -> str:
