@@ -64,9 +64,8 @@ flags.DEFINE_integer("max_new_tokens", 128, "New tokens per row (exactly; stops 
 flags.DEFINE_integer("prompt_len", 0, "0: natural GSM8K chat prompts (55-140 tokens, mean ~95, "
                      "system prompt included); N > 0: every prompt exactly N tokens (questions "
                      "concatenated / cut inside the user turn).")
-flags.DEFINE_string("data_dir", os.path.join(os.path.dirname(os.path.abspath(__file__)),
-                                             "..", "..", "shared", "data"),
-                    "Folder with gsm8k/test.jsonl.")
+flags.DEFINE_string("data_dir", "", "Folder with gsm8k/test.jsonl (default: "
+                    "$FLEXDRAFT_DATA, else ../shared/data).")
 flags.DEFINE_integer("threads", os.cpu_count(), "Threads for torch and XLA:CPU.")
 flags.DEFINE_integer("repeats", 3, "Timed calls per configuration (median reported).")
 flags.DEFINE_enum("hf_attn", "sdpa", ["sdpa", "eager"], "HF attention implementation.")
@@ -368,7 +367,8 @@ def main(argv):
   batches = [int(b) for b in FLAGS.batch_sizes]
   M = FLAGS.max_new_tokens
   target = flexdraft_jax.load_target("smollm2-135m")
-  questions, source = _questions(FLAGS.data_dir, max(batches))
+  from flexdraft_jax.training.config import data_root
+  questions, source = _questions(FLAGS.data_dir or data_root(), max(batches))
   weight_bytes = sum(int(x.size) * 4 for x in jax.tree.leaves(target.params))
   hf_model = None
   if not FLAGS.skip_hf:
