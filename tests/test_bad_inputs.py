@@ -234,6 +234,28 @@ def test_generate_bad_input_is_one_line(case):
   assert str(e.value) == case["line"]
 
 
+def _generate_json(argv, capsys) -> dict:
+  from flexdraft_jax import cli
+  assert cli.main(GEN[:4] + ["--json"] + argv) == 0
+  return json.loads(capsys.readouterr().out)
+
+
+def test_generate_cli_takes_the_python_api_names(monkeypatch, capsys):
+  monkeypatch.setenv("FLEXDRAFT_COST_CACHE", "")
+  base = ["--max-new-tokens", "8", "--prompt", "abc"]
+  free = _generate_json(base, capsys)["outputs"]
+  stop = free[1]["token_ids"][3]
+  cut = free[1]["token_ids"].index(stop) + 1
+  # --stop (an id), --attn-impl and the old --attention-impl, --max-len
+  for flag in ("--attn-impl", "--attention-impl"):
+    out = _generate_json(base + ["--stop", str(stop), flag, "xla", "--max-len", "64"],
+                         capsys)["outputs"]
+    assert out[1]["token_ids"] == free[1]["token_ids"][:cut]
+  from flexdraft_jax import cli
+  with pytest.raises(fd.FlexDraftError, match=r"longer than the cache \(max_len=4\)"):
+    cli.main(GEN + ["--prompt", "a longer prompt", "--max-len", "4"])
+
+
 def test_no_effect_options_used_as_meant_are_silent():
   target = tiny.tiny_target()
   with warnings.catch_warnings():
