@@ -256,6 +256,15 @@ def test_generate_cli_takes_the_python_api_names(monkeypatch, capsys):
     cli.main(GEN + ["--prompt", "a longer prompt", "--max-len", "4"])
 
 
+def test_integer_arrays_are_still_prompts():
+  import jax.numpy as jnp
+  target = tiny.tiny_target()
+  ref = fd.generate(target, [[3, 4, 5]], max_new_tokens=3).token_ids
+  for prompts in (np.array([[3, 4, 5]], np.int64), jnp.asarray([[3, 4, 5]], jnp.int32),
+                  [[np.int32(3), 4, jnp.int32(5)]]):
+    assert fd.generate(target, prompts, max_new_tokens=3).token_ids == ref
+
+
 def test_no_effect_options_used_as_meant_are_silent():
   target = tiny.tiny_target()
   with warnings.catch_warnings():

@@ -137,7 +137,13 @@ def _needed_groups(state: DecodeState, *, theta, strategy):
 
 
 def _is_int(x) -> bool:
-  return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+  """An integer (Python, NumPy or a 0-d integer array), not a bool or a float."""
+  if isinstance(x, bool):
+    return False
+  if isinstance(x, numbers.Integral):
+    return True
+  dtype = getattr(x, "dtype", None)
+  return dtype is not None and getattr(x, "ndim", 1) == 0 and np.dtype(dtype).kind in "iu"
 
 
 def _check_int(name: str, value, low: int, hint: str = ""):
