@@ -20,10 +20,13 @@ def get_config():
   c.drafter.block_size = 4
   c.drafter.calib_rank = 16
   c.data.mix = dict(gsm8k=6, mbpp=4, arena_hard_v01=2, arena_hard_v20=0)
-  c.data.max_prompt_tokens = 4096
+  # Byte-level prompts: GSM8K/MBPP prompts with their instruction are ~250-500
+  # tokens. A prompt must leave room in seq_len for an anchor block and its
+  # answer (training refuses data where most sequences have none).
+  c.data.max_prompt_tokens = 480
   c.data.max_new_tokens = 12
   c.data.batch_size = 4
-  c.train.seq_len = 48
+  c.train.seq_len = 512
   c.train.batch_size = 8
   c.train.anchors_per_seq = 2
   c.train.lr = 3e-3

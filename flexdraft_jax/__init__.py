@@ -1,8 +1,8 @@
 """flexdraft_jax: lossless self-speculative decoding (FlexDraft) in JAX."""
 
 from flexdraft_jax.api import GenerateResult, generate, load_drafter, load_target, target_logits
-from flexdraft_jax.model.config import FlexDraftError
+from flexdraft_jax.model.config import FlexDraftError, FlexDraftWarning
 
-__all__ = ["FlexDraftError", "GenerateResult", "generate", "load_drafter",
+__all__ = ["FlexDraftError", "FlexDraftWarning", "GenerateResult", "generate", "load_drafter",
            "load_target", "target_logits"]
 __version__ = "0.1.0"

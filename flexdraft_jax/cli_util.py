@@ -1,5 +1,7 @@
 """Shared CLI plumbing: absl entry with one-line errors instead of tracebacks."""
 
+import importlib.util
+import os
 import sys
 
 from absl import app
@@ -7,26 +9,122 @@ from absl import app
 from flexdraft_jax.model.config import FlexDraftError
 
 
-def run_main(main, argv):
-  """Runs `main` under absl; user errors print one line and exit 1."""
+def run_main(main, argv, doc: str = "", key_flags=("config", "workdir")):
+  """Runs `main` under absl; user errors print one line and exit 1. `--help`
+  shows `doc` and the `key_flags` (absl lists only the main module's own)."""
+  from absl import flags
+  for name in key_flags:
+    if name in flags.FLAGS:
+      flags.FLAGS.register_key_flag_for_module(sys.argv[0], flags.FLAGS[name])
+  main_module = sys.modules.get("__main__")
+  if doc and getattr(getattr(main_module, "__spec__", None), "name", "") == "flexdraft_jax.__main__":
+    main_module.__doc__ = doc  # what `--help` prints above the flags
+  started = []
 
   def wrapped(args):
+    started.append(True)
     try:
       return main(args)
     except (FlexDraftError, FileNotFoundError) as e:
       print(f"error: {e}", file=sys.stderr)
       sys.exit(1)
 
-  app.run(wrapped, argv=argv)
+  try:
+    app.run(wrapped, argv=argv)
+  except (AttributeError, KeyError, OSError, SyntaxError, TypeError, ValueError) as e:
+    if started:  # raised by the command itself: a bug, keep the traceback
+      raise
+    print(f"error: {_config_error(argv, e)}", file=sys.stderr)
+    sys.exit(1)
+
+
+def _config_arg(argv):
+  """The --config value and the --config.* override names in `argv`."""
+  path, overrides = None, []
+  for i, a in enumerate(argv):
+    if a.startswith("--config="):
+      path = a.split("=", 1)[1]
+    elif a == "--config" and i + 1 < len(argv):
+      path = argv[i + 1]
+    elif a.startswith("--config."):
+      overrides.append(a[len("--config."):].split("=", 1)[0])
+  return path, overrides
+
+
+def _load_config_file(path: str):
+  file, *arg = path.split(":", 1)
+  spec = importlib.util.spec_from_file_location("flexdraft_user_config", file)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config(*arg)
+
+
+def _config_error(argv, e) -> str:
+  """One line for a --config file or override that absl's parsing refused."""
+  path, overrides = _config_arg(argv)
+  if path is None:
+    return f"bad flags: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+  if not os.path.isfile(path.split(":", 1)[0]):
+    return f"config file not found: {path}"
+  try:
+    config = _load_config_file(path)
+  except Exception as e2:  # the user's config code: any error is theirs
+    return f"cannot load config {path}: {type(e2).__name__}: {e2}"
+  for name in overrides:
+    node, parts = config, name.split(".")
+    for i, part in enumerate(parts):
+      try:
+        node = node[part]
+      except (KeyError, TypeError, IndexError):
+        return (f"unknown config key --config.{name} ({path} has no "
+                f"{'.'.join(parts[:i + 1])!r})")
+  return f"bad --config flags: {type(e).__name__}: {e}"
+
+
+def load_config(example: str):
+  """The parsed --config (with its overrides), or a one-line error."""
+  from absl import flags
+  config = flags.FLAGS.config
+  if config is None:
+    raise FlexDraftError(f"--config is required (e.g. {example})")
+  try:
+    config.get("name")  # ml_collections defers a config file's load error to first use
+  except OSError:
+    path = flags.FLAGS["config"].config_filename
+    if not os.path.isfile(path.split(":", 1)[0]):
+      raise FlexDraftError(f"config file not found: {path}") from None
+    raise FlexDraftError(f"cannot load config {path}") from None
+  return config
+
+
+def writable_dir(path: str, flag: str = "--workdir") -> str:
+  """`path` made (if needed) and checked writable, as an absolute path; a
+  one-line error naming `flag` otherwise."""
+  if not path:
+    raise FlexDraftError(f"{flag} is required")
+  full = os.path.abspath(os.path.expanduser(path))
+  try:
+    os.makedirs(full, exist_ok=True)
+    probe = os.path.join(full, f".write_test.{os.getpid()}")
+    with open(probe, "w"):
+      pass
+    os.remove(probe)
+  except (FileExistsError, NotADirectoryError):
+    raise FlexDraftError(f"{flag} {path}: a file is in the way (not a directory)") from None
+  except OSError as e:
+    raise FlexDraftError(f"{flag} {path} is not writable: {e.strerror}") from None
+  except ValueError as e:  # e.g. a NUL byte in the path
+    raise FlexDraftError(f"{flag} {path!r} is not a valid path: {e}") from None
+  return full
 
 
 def config_and_workdir(args, example: str):
-  """The --config and --workdir flags of a config-driven command, checked."""
+  """The --config and --workdir flags of a config-driven command, checked (the
+  workdir is made and must be writable)."""
   from absl import flags
   if len(args) > 1:
     raise FlexDraftError(f"unexpected arguments: {' '.join(args[1:])}")
-  if flags.FLAGS.config is None:
-    raise FlexDraftError(f"--config is required (e.g. {example})")
+  config = load_config(example)
   if not flags.FLAGS.workdir:
     raise FlexDraftError("--workdir is required")
-  return flags.FLAGS.config, flags.FLAGS.workdir
+  return config, writable_dir(flags.FLAGS.workdir)

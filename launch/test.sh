@@ -7,5 +7,5 @@ if [ ! -x .venv/bin/python ]; then
   python3 -m venv .venv
 fi
 . .venv/bin/activate
-bash launch/setup.sh
+bash launch/setup.sh --test
 python -m pytest -q "$@"

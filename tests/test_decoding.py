@@ -389,3 +389,31 @@ def test_step_cost_cache_location_and_failures(target, tmp_path, monkeypatch):
   # memory only: nothing written anywhere
   out = run(None)
   assert out.token_ids == ref.token_ids and not (tmp_path / "xdg").exists()
+
+
+def test_compile_time_is_the_union_of_overlapping_spans():
+  from flexdraft_jax.decoding import timing
+  spans = [(0.0, 2.0), (1.0, 3.0), (5.0, 6.0), (5.5, 5.7)]  # nested and overlapping
+  assert timing.covered(spans, 0.5, 5.8) == pytest.approx(2.5 + 0.8)
+  assert timing.covered(spans, 3.0, 5.0) == 0.0
+
+
+def test_tokens_per_second_leaves_out_compiling_and_flex_step_timing(target, monkeypatch):
+  import time
+  monkeypatch.setattr(flex, "_COSTS_IN_MEMORY", {})
+  drafter = random_drafter(target, block_size=4, noise=0.5)
+  prompts = prompts_for(2, seed=11)
+  # a cache length no other test uses: the first call compiles its steps
+  kw = dict(max_new_tokens=40, drafter=drafter, mode="flex", cost_cache=None, max_len=704)
+  t = time.perf_counter()
+  cold = fd.generate(target, prompts, **kw).stats
+  wall = time.perf_counter() - t
+  assert cold["compile_seconds"] > 0 and cold["flex_timing_seconds"] > 0
+  assert cold["decode_seconds"] <= wall - cold["flex_timing_seconds"] - cold["prefill_seconds"]
+  warm = fd.generate(target, prompts, **kw).stats  # nothing left to compile or time
+  assert warm["compile_seconds"] == 0 and warm["flex_timing_seconds"] == 0
+  assert cold["decode_tokens"] == warm["decode_tokens"]
+  # counted alike, cold and warm runs decode at comparable rates (compiling
+  # and timing the steps took many times the decode itself)
+  assert cold["compile_seconds"] + cold["flex_timing_seconds"] > 3 * cold["decode_seconds"]
+  assert cold["tokens_per_second"] > warm["tokens_per_second"] / 4

@@ -12,12 +12,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tests import tiny  # noqa: E402
+from tests import data_fixture, tiny  # noqa: E402
 
 from flexdraft_jax.drafter import checkpoint as drafter_ckpt  # noqa: E402
 from flexdraft_jax.drafter.model import DrafterConfig, init_draft_params  # noqa: E402
 from flexdraft_jax.model import transformer  # noqa: E402
 from flexdraft_jax.training import data, loss as loss_lib, sharding, train  # noqa: E402
+from flexdraft_jax.training.config import data_root  # noqa: E402
 
 # Subprocesses share the suite's compile cache (tests/conftest.py).
 XLA_CACHE = jax.config.jax_compilation_cache_dir
@@ -94,14 +95,35 @@ def test_packer_is_static_deterministic_and_in_range(regen):
   np.testing.assert_array_equal(part["anchor_BxK"], b["anchor_BxK"][2:4])
 
 
-def test_prompt_sources_exclude_eval_splits():
+@pytest.fixture(scope="module")
+def fixture_data(tmp_path_factory):
+  """Prompt files in each source's format (tests/data_fixture.py), no real data."""
+  return data_fixture.write(str(tmp_path_factory.mktemp("data")))
+
+
+def test_prompt_sources_exclude_eval_splits(fixture_data, monkeypatch):
+  monkeypatch.setenv("FLEXDRAFT_DATA", fixture_data)
   cfg = tiny.tiny_config("/unused").data
+  assert cfg.paths.mbpp.startswith(fixture_data)
   mbpp = data.read_source("mbpp", cfg.paths.mbpp)
   ids = [int(p.uid.split(":")[1]) for p in mbpp]
-  assert min(ids) == 511 and max(ids) == 974 and len(ids) == 464
+  assert sorted(ids) == sorted(data_fixture.MBPP_TRAIN_IDS)  # never 1-510
+  assert all("Your code should pass this test:\nassert add_" in p.text for p in mbpp)
+  cfg.mix = dict(gsm8k=4, mbpp=2, arena_hard_v01=-1, arena_hard_v20=1)
   prompts = data.load_prompts(cfg)
-  assert len(prompts) == sum(dict(cfg.mix).values())
+  assert len(prompts) == 4 + 2 + 3 + 1
   assert len({p.uid for p in prompts}) == len(prompts)
+  assert all(p.text.endswith(cfg.suffix.gsm8k) for p in prompts if p.source == "gsm8k")
+
+
+REAL_MBPP = os.path.join(data_root(), "mbpp", "mbpp.jsonl")
+
+
+@pytest.mark.skipif(not os.path.isfile(REAL_MBPP), reason=f"needs the real MBPP file "
+                    f"({REAL_MBPP}; set $FLEXDRAFT_DATA): CI has it")
+def test_real_mbpp_training_split_is_511_to_974():
+  ids = [int(p.uid.split(":")[1]) for p in data.read_source("mbpp", REAL_MBPP)]
+  assert min(ids) == 511 and max(ids) == 974 and len(ids) == 464
 
 
 # ------------------------------------------------------------------ loss ----
@@ -422,9 +444,11 @@ def _greedy_reference(t, prompt_ids, max_new):
   return ids[len(prompt_ids):]
 
 
-def test_regenerate_cli_answers_greedily_and_resumes(tmp_path, target):
+def test_regenerate_cli_answers_greedily_and_resumes(tmp_path, target, fixture_data,
+                                                    monkeypatch):
   pytest.importorskip("flexdraft_jax.decoding.engine")
   from flexdraft_jax.training import regenerate
+  monkeypatch.setenv("FLEXDRAFT_DATA", fixture_data)  # the config's prompt paths
   regen_dir = str(tmp_path / "regen")
   argv = ["flexdraft_jax regenerate",
           f"--config={os.path.join(tiny.REPO, 'configs', 'tiny_test.py')}",

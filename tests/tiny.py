@@ -43,14 +43,20 @@ def write_fake_regen(regen_dir: str, target, n: int = 24, seed: int = 0) -> list
   return recs
 
 
-def tiny_config(regen_dir: str, **train_overrides):
-  """configs/tiny_test.py with `regen_dir` and train.* overrides."""
+def tiny_test_config():
+  """configs/tiny_test.py as it is."""
   spec = importlib.util.spec_from_file_location(
       "tiny_test_config", os.path.join(REPO, "configs", "tiny_test.py"))
   mod = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(mod)
-  c = mod.get_config()
+  return mod.get_config()
+
+
+def tiny_config(regen_dir: str, **train_overrides):
+  """configs/tiny_test.py with `regen_dir` and train.* overrides."""
+  c = tiny_test_config()
   c.data.regen_dir = regen_dir
+  c.train.seq_len = 48  # fake_records are short (~40-60 tokens)
   for k, v in train_overrides.items():
     setattr(c.train, k, v)
   return c

@@ -10,21 +10,24 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import numbers
 import time
+import warnings
 from typing import Optional, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from flexdraft_jax.decoding import ar, flex, parallel, sequential, sharding, verify
+from flexdraft_jax.decoding import ar, flex, parallel, sequential, sharding, timing, verify
 from flexdraft_jax.decoding.sampling import SamplingParams
 from flexdraft_jax.decoding.state import KV_BLOCK, DecodeState, prefill
 from flexdraft_jax.drafter.model import Drafter, draft_head
 from flexdraft_jax.model import transformer
-from flexdraft_jax.model.config import FlexDraftError
+from flexdraft_jax.model.config import FlexDraftError, FlexDraftWarning
 
 MODES = ("ar", "parallel", "sequential", "flex")
+ATTN_IMPLS = ("xla", "pallas", "auto")
 
 
 @dataclasses.dataclass
@@ -45,7 +48,7 @@ class SpecOptions:
   cost_cache: object = "default"    # flex's step-cost file (see flex.cost_cache_path)
 
   def validate(self):
-    if not 0.0 <= self.theta <= 1.0:
+    if not isinstance(self.theta, numbers.Real) or not 0.0 <= self.theta <= 1.0:
       raise FlexDraftError(f"threshold θ must be in [0, 1], got {self.theta}")
     if self.strategy not in verify.STRATEGIES:
       raise FlexDraftError(f"strategy must be one of {verify.STRATEGIES}, "
@@ -133,6 +136,52 @@ def _needed_groups(state: DecodeState, *, theta, strategy):
   return jnp.max(jnp.where(state.done_B, 1, vlen)) + 1, jnp.sum(~state.done_B)
 
 
+def _is_int(x) -> bool:
+  """An integer (Python, NumPy or a 0-d integer array), not a bool or a float."""
+  if isinstance(x, bool):
+    return False
+  if isinstance(x, numbers.Integral):
+    return True
+  dtype = getattr(x, "dtype", None)
+  return dtype is not None and getattr(x, "ndim", 1) == 0 and np.dtype(dtype).kind in "iu"
+
+
+def _check_int(name: str, value, low: int, hint: str = ""):
+  if not _is_int(value) or value < low:
+    raise FlexDraftError(f"{name} must be an integer >= {low}{hint}, got {value!r}")
+
+
+def check_prompts(prompts) -> list:
+  """`prompts` as a list of str / id sequences, or a one-line error naming the
+  first one that is neither (bytes, a number, float ids, a flat id list)."""
+  if isinstance(prompts, (bytes, bytearray)):
+    raise FlexDraftError("prompts are bytes: pass text (str) or lists of token ids")
+  if isinstance(prompts, str):
+    return [prompts]
+  try:
+    prompts = list(prompts)
+  except TypeError:
+    raise FlexDraftError(f"prompts must be a list of strings or of token-id lists, "
+                         f"got {type(prompts).__name__}") from None
+  if not prompts:
+    raise FlexDraftError("no prompts given")
+  if all(_is_int(p) for p in prompts):
+    raise FlexDraftError(f"prompts is a flat list of {len(prompts)} ids: pass a list "
+                         "of prompts, e.g. [[1, 2, 3]] for one prompt of ids")
+  for i, p in enumerate(prompts):
+    if isinstance(p, str):
+      continue
+    if isinstance(p, (bytes, bytearray)):
+      raise FlexDraftError(f"prompt {i} is bytes: pass text (str) or a list of token ids")
+    if isinstance(p, (numbers.Number, dict)) or not hasattr(p, "__iter__"):
+      raise FlexDraftError(f"prompt {i} is {type(p).__name__} {p!r}: a prompt is "
+                           "text (str) or a list of token ids")
+    bad = next((t for t in p if not _is_int(t)), None)
+    if bad is not None:
+      raise FlexDraftError(f"prompt {i} has a token id that is not an integer: {bad!r}")
+  return prompts
+
+
 def _encode_prompts(target, prompts, chat: bool):
   tok = target.tokenizer
   ids = []
@@ -161,7 +210,21 @@ def _stop_array(stop_ids: tuple) -> jax.Array:
   return jnp.asarray(list(stop_ids) + [-1] * (MAX_STOP_IDS - len(stop_ids)), jnp.int32)
 
 
+def check_stop(stop):
+  """`stop` is None or a list of token ids / single-token strings."""
+  if stop is None:
+    return
+  if isinstance(stop, (str, bytes, numbers.Number)) or not hasattr(stop, "__iter__"):
+    raise FlexDraftError(f"stop must be a list of token ids or single-token strings, "
+                         f"got {type(stop).__name__} {stop!r} (e.g. stop=[{stop!r}])")
+  bad = next((s for s in stop if not (_is_int(s) or isinstance(s, str))), None)
+  if bad is not None:
+    raise FlexDraftError(f"a stop token must be an integer id or a string, got {bad!r}")
+
+
 def _stop_ids(target, stop) -> tuple:
+  check_stop(stop)
+  vocab = target.config.vocab_size
   if stop is None:
     ids = tuple(target.config.eos_token_ids)
   else:
@@ -172,12 +235,61 @@ def _stop_ids(target, stop) -> tuple:
         if len(enc) != 1:
           raise FlexDraftError(f"stop string {s!r} is not a single token")
         s = enc[0]
+      if not 0 <= int(s) < vocab:
+        raise FlexDraftError(f"stop id {int(s)} is outside the vocabulary [0, {vocab})")
       ids.append(int(s))
     ids = tuple(ids)
   ids = tuple(sorted(set(ids)))
   if len(ids) > MAX_STOP_IDS:
     raise FlexDraftError(f"at most {MAX_STOP_IDS} stop tokens, got {len(ids)}")
   return ids
+
+
+def check_options(*, max_new_tokens=128, temperature=0.0, top_k=None, top_p=None,
+                  mode="ar", batch_size=None, max_len=None, threshold=0.0,
+                  strategy="cumulative_product", flex_threshold="auto", attn_impl="xla",
+                  block_size=None, draft_sampling=False, verify_len=None,
+                  stop=None) -> tuple:
+  """Every check of `generate`'s options that needs no model (run before loading
+  one); returns (SamplingParams, SpecOptions)."""
+  if mode not in MODES:
+    raise FlexDraftError(f"mode must be one of {MODES}, got {mode!r}")
+  _check_int("max_new_tokens", max_new_tokens, 1)
+  if batch_size is not None:
+    _check_int("batch_size", batch_size, 1, " (unset: all prompts in one batch)")
+  if max_len is not None:
+    _check_int("max_len", max_len, 2)
+  if block_size is not None:
+    _check_int("block_size", block_size, 2)
+  if attn_impl not in ATTN_IMPLS:
+    raise FlexDraftError(f"attn_impl must be one of {ATTN_IMPLS}, got {attn_impl!r}")
+  check_stop(stop)
+  sp = SamplingParams(temperature, top_k, top_p, bool(draft_sampling))
+  opts = SpecOptions(threshold, strategy, flex_threshold, verify_len=verify_len)
+  opts.validate()
+  return sp, opts
+
+
+def ignored_options(*, mode="ar", temperature=0.0, draft_sampling=False, block_size=None,
+                    verify_len=None, threshold=0.0, flex_threshold="auto",
+                    drafter=None, spell=lambda name: name) -> list:
+  """One line per option given that has no effect with the others (they
+  would otherwise be ignored silently). `spell` names an option (CLI flags)."""
+  out = []
+  if mode == "ar":
+    for name, value in (("block_size", block_size), ("verify_len", verify_len)):
+      if value is not None:
+        out.append(f"{spell(name)}={value} has no effect in mode 'ar' (no drafts)")
+    if threshold:
+      out.append(f"{spell('threshold')}={threshold} has no effect in mode 'ar' (no drafts)")
+    if drafter is not None:
+      out.append(f"mode 'ar' does not use the drafter ({spell('drafter')})")
+  if mode != "flex" and flex_threshold != "auto":
+    out.append(f"{spell('flex_threshold')} has no effect in mode {mode!r}")
+  if draft_sampling and temperature == 0:
+    out.append(f"{spell('draft_sampling')} has no effect at temperature 0 (greedy "
+               "decoding drafts and keeps the argmax)")
+  return out
 
 
 def generate(target, prompts: Sequence, *, max_new_tokens: int = 128,
@@ -201,16 +313,20 @@ def generate(target, prompts: Sequence, *, max_new_tokens: int = 128,
   `$XDG_CACHE_HOME/flexdraft_jax/step_costs.json`.
   Returns GenerateResult(token_ids, texts, stats).
   """
-  sp = SamplingParams(temperature, top_k, top_p, draft_sampling)
-  opts = SpecOptions(threshold, strategy, flex_threshold, verify_len=verify_len,
-                     cost_cache=cost_cache)
-  opts.validate()
-  if mode not in MODES:
-    raise FlexDraftError(f"mode must be one of {MODES}, got {mode!r}")
+  sp, opts = check_options(
+      max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+      mode=mode, batch_size=batch_size, max_len=max_len, threshold=threshold,
+      strategy=strategy, flex_threshold=flex_threshold, attn_impl=attn_impl,
+      block_size=block_size, draft_sampling=draft_sampling, verify_len=verify_len,
+      stop=stop)
+  opts = dataclasses.replace(opts, cost_cache=cost_cache)
+  for line in ignored_options(mode=mode, temperature=temperature,
+                              draft_sampling=draft_sampling, block_size=block_size,
+                              verify_len=verify_len, threshold=threshold,
+                              flex_threshold=flex_threshold, drafter=drafter):
+    warnings.warn(line, FlexDraftWarning, stacklevel=2)
   if mode != "ar" and drafter is None:
     raise FlexDraftError(f"mode {mode!r} needs a drafter (--drafter PATH)")
-  if max_new_tokens < 1:
-    raise FlexDraftError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
   if drafter is not None and mode != "ar":
     from flexdraft_jax.drafter.compat import check_compatible
     check_compatible(drafter, target)
@@ -220,13 +336,10 @@ def generate(target, prompts: Sequence, *, max_new_tokens: int = 128,
                            f"{drafter.config.block_size}")
     if not calibrate:  # ablation: drafts without the bonus-guided calibration
       drafter = drafter._replace(config=dataclasses.replace(drafter.config, calibrate=False))
-  if isinstance(prompts, str):
-    prompts = [prompts]
-  if not prompts:
-    raise FlexDraftError("no prompts given")
+  prompts = check_prompts(prompts)
   ids = _encode_prompts(target, prompts, chat)
   stop_ids = _stop_ids(target, stop)
-  batch_size = batch_size or len(ids)
+  batch_size = batch_size or len(ids)  # None: one batch
   results, stats_list = [None] * len(ids), []
   for start in range(0, len(ids), batch_size):
     chunk = ids[start:start + batch_size]
@@ -318,16 +431,20 @@ def _generate_batch(target, ids, max_new, sp, seed, drafter, mode, opts,
   drafter = None if drafter is None else drafter._replace(params=dparams)
   static = dict(cfg=cfg, dcfg=dcfg, sp=sp, attn_impl=attn_impl)
   traced = dict(max_new=jnp.int32(max_new), stop_ids=_stop_array(stop_ids))
+  timing.listen()
   t0 = time.perf_counter()
   state = _prefill(target.params, dparams, prompt, plen, valid,
                    jax.random.PRNGKey(seed), S=S, out_len=S,  # max_new < S; shapes need only S
                    cache_sharding=sharding.cache_sharding(mesh), **static, **traced)
   jax.block_until_ready(state)
-  t1 = time.perf_counter()
+  t1, w1 = time.perf_counter(), timing.now()
   driver = flex.Driver(target, drafter, mode, opts, static, traced, Bp, S,
                        steps_per_call=steps_per_call, mesh=mesh)
   state = jax.block_until_ready(driver.run(state, max_new))
-  t2 = time.perf_counter()
+  w2 = timing.now()
+  # Decode time leaves out compiling and flex's one-time step-cost timing.
+  compiling = timing.compile_spans(w1, w2)
+  excluded = timing.covered(compiling + driver.timing_spans, w1, w2)
   hist = np.asarray(state.accept_hist)
   tokens = driver.outputs_in_order(state, Bp)[:B]
   new_tokens = sum(len(t) for t in tokens)
@@ -335,7 +452,9 @@ def _generate_batch(target, ids, max_new, sp, seed, drafter, mode, opts,
   steps = int(np.asarray(state.steps))
   committed = int((hist * np.arange(len(hist))).sum())
   stats = {
-      "prefill_seconds": t1 - t0, "decode_seconds": t2 - t1,
+      "prefill_seconds": t1 - t0, "decode_seconds": max(w2 - w1 - excluded, 1e-9),
+      "compile_seconds": timing.covered(compiling, w1, w2),
+      "flex_timing_seconds": timing.covered(driver.timing_spans, w1, w2),
       "new_tokens": new_tokens, "decode_tokens": decode_tokens, "steps": steps,
       "committed_tokens": committed, "verified_row_steps": int(hist.sum()),
       "accept_hist": hist.tolist(), "batch_size": B,
@@ -346,16 +465,18 @@ def _generate_batch(target, ids, max_new, sp, seed, drafter, mode, opts,
 
 def _merge_stats(parts, mode):
   s = {"mode": mode}
-  for k in ("prefill_seconds", "decode_seconds", "new_tokens", "decode_tokens", "steps",
-            "committed_tokens", "verified_row_steps"):
+  for k in ("prefill_seconds", "decode_seconds", "compile_seconds", "flex_timing_seconds",
+            "new_tokens", "decode_tokens", "steps", "committed_tokens",
+            "verified_row_steps"):
     s[k] = sum(p[k] for p in parts)
   width = max(len(p["accept_hist"]) for p in parts)
   hist = np.zeros(width, np.int64)
   for p in parts:
     hist[:len(p["accept_hist"])] += p["accept_hist"]
   s["accept_hist"] = hist.tolist()
-  # Decode throughput: tokens decided after prefill (each row's first token
-  # comes from the prefill forward) per second of decoding.
+  # Decode throughput (SPEC §5): tokens decided after prefill (each row's
+  # first token comes from the prefill forward) per second of decoding;
+  # compiling and flex's step-cost timing are not decoding.
   s["tokens_per_second"] = s["decode_tokens"] / max(s["decode_seconds"], 1e-9)
   s["tau"] = s["committed_tokens"] / max(s["verified_row_steps"], 1)
   for k in ("group_counts", "mode_steps"):  # run-length [value, steps] lists

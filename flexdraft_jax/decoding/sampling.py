@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 from typing import Optional
 
 import jax
@@ -21,12 +23,17 @@ class SamplingParams:
   draft_sampling: bool = False
 
   def __post_init__(self):
-    if self.temperature < 0:
-      raise FlexDraftError(f"temperature must be >= 0, got {self.temperature}")
-    if self.top_k is not None and self.top_k < 1:
-      raise FlexDraftError(f"top_k must be >= 1, got {self.top_k}")
-    if self.top_p is not None and not 0 < self.top_p <= 1:
-      raise FlexDraftError(f"top_p must be in (0, 1], got {self.top_p}")
+    t = self.temperature
+    if (not isinstance(t, numbers.Real) or isinstance(t, bool) or not math.isfinite(t)
+        or t < 0):
+      raise FlexDraftError(f"temperature must be a finite number >= 0, got {t!r}")
+    k = self.top_k
+    if k is not None and (not isinstance(k, numbers.Integral) or isinstance(k, bool)
+                          or k < 1):
+      raise FlexDraftError(f"top_k must be an integer >= 1, got {k!r}")
+    p = self.top_p
+    if p is not None and (not isinstance(p, numbers.Real) or not 0 < p <= 1):
+      raise FlexDraftError(f"top_p must be in (0, 1], got {p!r}")
 
   @property
   def greedy(self) -> bool:

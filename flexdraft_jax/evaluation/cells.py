@@ -103,13 +103,14 @@ def _run_lengths(stats: list, key: str) -> dict:
 def _merge(stats: list) -> dict:
   """Stats of several generate calls (turns) as one."""
   s = {k: sum(x[k] for x in stats) for k in
-       ("decode_seconds", "prefill_seconds", "new_tokens", "steps",
-        "committed_tokens", "verified_row_steps")}
+       ("decode_seconds", "prefill_seconds", "compile_seconds", "flex_timing_seconds",
+        "new_tokens", "decode_tokens", "steps", "committed_tokens", "verified_row_steps")}
   hist = np.zeros(max(len(x["accept_hist"]) for x in stats), np.int64)
   for x in stats:
     hist[:len(x["accept_hist"])] += x["accept_hist"]
   s["accept_hist"] = hist.tolist()
-  s["tokens_per_second"] = s["new_tokens"] / max(s["decode_seconds"], 1e-9)
+  # as generate's stats: tokens of decode steps per decode second (SPEC §5)
+  s["tokens_per_second"] = s["decode_tokens"] / max(s["decode_seconds"], 1e-9)
   s["tau"] = s["committed_tokens"] / max(s["verified_row_steps"], 1)
   groups = _run_lengths(stats, "group_counts")
   s["mean_groups"] = (sum(int(g) * n for g, n in groups.items()) / sum(groups.values())
@@ -140,8 +141,10 @@ def _generate(ctx: Context, cell: Cell, rows: list, max_new: int = 0) -> tuple:
         temperature=cell.temperature,
         seed=ec.seed, drafter=drafter, mode=mode, batch_size=min(cell.batch_size, len(ids)),
         max_len=ctx.max_len[(cell.dataset, turn)], threshold=cell.theta,
-        strategy=ec.strategy, flex_threshold=_flex_threshold(ec.flex_threshold),
-        attn_impl=ec.attn_impl, block_size=ec.block_size or None)
+        strategy=ec.strategy, attn_impl=ec.attn_impl,
+        # only the modes they act on get them (generate warns otherwise)
+        flex_threshold=parse_flex_threshold(ec.flex_threshold) if mode == "flex" else "auto",
+        block_size=(ec.block_size or None) if mode != "ar" else None)
     for i, x, toks, text in zip(live, ids, res.token_ids, res.texts):
       answers[i].append(text)
       outputs[i].append([int(t) for t in toks])
@@ -150,7 +153,7 @@ def _generate(ctx: Context, cell: Cell, rows: list, max_new: int = 0) -> tuple:
   return outputs, prompt_ids, _merge(stats)
 
 
-def _flex_threshold(value):
+def parse_flex_threshold(value):
   if isinstance(value, str) and value != "auto":
     try:
       return int(value)

@@ -4,7 +4,8 @@ Loads SmolLM2-135M-Instruct and the shipped drafter (a random one, loudly, when
 it is missing), decodes a math, a code and a chat prompt with `ar` and with a
 speculative mode (default `flex`: it measures the step costs here and picks
 parallel, sequential or AR steps), both warmed up on the same prompts, and
-prints the texts, τ and the speedup over AR measured in this run.
+prints the texts, τ and the speedup over AR measured in this run (the median
+of a few timed runs each; "≈ 1×" when it is within their run-to-run spread).
 """
 
 from __future__ import annotations
@@ -36,24 +37,54 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--mode", default="flex", choices=("parallel", "sequential", "flex"))
   p.add_argument("--threshold", type=float, default=0.01, help="selective verification θ")
   p.add_argument("--max-new-tokens", type=int, default=64)
+  p.add_argument("--repeats", type=int, default=3,
+                 help="timed runs per mode (their spread is the noise a speedup must beat)")
   return p
 
 
 def _timed(fd, target, ids, drafter, mode, args) -> tuple:
-  """Generates twice (the first compiles) and returns the second result."""
+  """A warm-up generation (it compiles), then `args.repeats` timed ones;
+  returns (the last result, tokens/s of each timed run)."""
   kw = dict(max_new_tokens=args.max_new_tokens, temperature=0.0, drafter=drafter,
             mode=mode, threshold=args.threshold if mode != "ar" else 0.0)
   t = time.perf_counter()
   fd.generate(target, ids, **kw)
   warm = time.perf_counter() - t
-  res = fd.generate(target, ids, **kw)
+  rates = []
+  for _ in range(args.repeats):
+    res = fd.generate(target, ids, **kw)
+    rates.append(res.stats["tokens_per_second"])
   print(f"  {mode:>10}: warm-up {warm:5.1f}s, decode {res.stats['decode_seconds']:6.2f}s, "
-        f"{res.stats['tokens_per_second']:7.1f} tok/s, τ={res.stats['tau']:.2f}", flush=True)
-  return res
+        f"{_median(rates):7.1f} tok/s (runs: {', '.join(f'{r:.1f}' for r in rates)}), "
+        f"τ={res.stats['tau']:.2f}", flush=True)
+  return res, rates
+
+
+def _median(xs) -> float:
+  xs = sorted(xs)
+  return 0.5 * (xs[(len(xs) - 1) // 2] + xs[len(xs) // 2])
+
+
+def speedup_text(ar_rates, spec_rates, only_ar_steps: bool = False) -> str:
+  """The speedup of the median tokens/s, or "≈ 1×" when it is within the
+  run-to-run noise: the larger relative spread (max - min) / median of
+  either mode's timed runs."""
+  ratio = _median(spec_rates) / max(_median(ar_rates), 1e-9)
+  if only_ar_steps:
+    return f"≈ 1× (flex decoded with AR steps; measured {ratio:.2f}×)"
+  noise = max((max(r) - min(r)) / max(_median(r), 1e-9) for r in (ar_rates, spec_rates))
+  if abs(ratio - 1.0) <= noise:
+    return (f"≈ 1× (within noise: measured {ratio:.2f}×, runs of one mode differ by "
+            f"up to {100 * noise:.0f}%)")
+  return f"{ratio:.2f}×"
 
 
 def main(argv=None) -> int:
   args = _parser().parse_args(argv)
+  if args.max_new_tokens < 1 or args.repeats < 2:
+    raise FlexDraftError("--max-new-tokens must be >= 1 and --repeats >= 2")
+  if not 0 <= args.threshold <= 1:
+    raise FlexDraftError(f"--threshold must be in [0, 1], got {args.threshold}")
   import jax
 
   import flexdraft_jax as fd
@@ -76,19 +107,19 @@ def main(argv=None) -> int:
          for _, text in PROMPTS]
   print(f"decoding {len(ids)} prompts (batch {len(ids)}), max_new_tokens="
         f"{args.max_new_tokens}, T=0:", flush=True)
-  ar = _timed(fd, target, ids, None, "ar", args)
-  spec = _timed(fd, target, ids, drafter, args.mode, args)
+  ar, ar_rates = _timed(fd, target, ids, None, "ar", args)
+  spec, spec_rates = _timed(fd, target, ids, drafter, args.mode, args)
 
   for (kind, text), b in zip(PROMPTS, spec.texts):
     print(f"\n=== {kind}: {text.splitlines()[0][:90]}\n{b.strip()}")
   same = ar.token_ids == spec.token_ids
-  speedup = spec.stats["tokens_per_second"] / max(ar.stats["tokens_per_second"], 1e-9)
   mode_steps = spec.stats.get("mode_steps", [])  # run-length [[mode, steps], …]
   steps = {m: sum(n for k, n in mode_steps if k == m) for m, _ in mode_steps}
   used = ", ".join(f"{m} {n}" for m, n in steps.items())
-  print(f"\n{'=' * 78}\nAR            {ar.stats['tokens_per_second']:8.1f} tok/s"
-        f"\n{args.mode:<13} {spec.stats['tokens_per_second']:8.1f} tok/s   "
-        f"τ={spec.stats['tau']:.2f}   speedup over AR: {speedup:.2f}×"
+  speedup = speedup_text(ar_rates, spec_rates, only_ar_steps=set(steps) == {"ar"})
+  print(f"\n{'=' * 78}\nAR            {_median(ar_rates):8.1f} tok/s"
+        f"\n{args.mode:<13} {_median(spec_rates):8.1f} tok/s   "
+        f"τ={spec.stats['tau']:.2f}   speedup over AR: {speedup}"
         f"\nsteps per mode: {used or args.mode};  outputs identical to AR: {same}")
   for rows, c in spec.stats.get("flex_choices", {}).items():
     mode, k = c["choice"]

@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import os
 import sys
 from typing import Optional
@@ -168,6 +169,31 @@ def make_cell(dataset, batch_size, mode, temperature, theta, drafter="main") -> 
 
 
 # --------------------------------------------------------------- plan ----
+
+def check_settings(config) -> None:
+  """Range checks of `config.eval` that need no model (run before loading one)."""
+  from flexdraft_jax.decoding import engine
+  ec = config.eval
+  for t in parse_list(ec.temperatures, float):
+    if not math.isfinite(t) or t < 0:
+      raise FlexDraftError(f"--config.eval.temperatures: each must be a finite number "
+                           f">= 0, got {t}")
+  for b in parse_list(ec.batch_sizes, int) + [int(config.ablation.batch_size)]:
+    if b < 1:
+      raise FlexDraftError(f"--config.eval.batch_sizes and --config.ablation.batch_size "
+                           f"must be >= 1, got {b}")
+  for name, low in (("max_new_tokens", 1), ("limit", 0), ("batches_per_cell", 0),
+                    ("max_timing_runs", 1), ("max_len", 0), ("block_size", 0)):
+    v = ec[name]
+    if not isinstance(v, int) or isinstance(v, bool) or v < low:
+      raise FlexDraftError(f"--config.eval.{name} must be an integer >= {low}, got {v!r}")
+  try:
+    engine.check_options(threshold=ec.theta, strategy=ec.strategy,
+                         flex_threshold=cells_lib.parse_flex_threshold(ec.flex_threshold),
+                         attn_impl=ec.attn_impl)
+  except FlexDraftError as e:
+    raise FlexDraftError(f"--config.eval: {e}") from None
+
 
 def plan_cells(config, ablation: list) -> list:
   """Every cell to run, AR first within each (dataset, batch, temperature)."""
@@ -342,8 +368,17 @@ def run_sweep(config, workdir: str, *, prompts: Optional[dict] = None, target=No
   import tqdm
 
   from flexdraft_jax import api
+  from flexdraft_jax.cli_util import writable_dir
   from flexdraft_jax.evaluation import report
-  os.makedirs(workdir, exist_ok=True)
+  # Settings, prompts and the workdir are checked before the (slow) model load.
+  check_settings(config)
+  datasets = {c.dataset for c in plan_cells(config, [])}
+  if config.ablation.enabled:
+    datasets |= set(parse_list(config.ablation.datasets, dataset_name))
+  early_prompts = _load_prompts(config, sorted(datasets), prompts)
+  workdir = writable_dir(workdir)
+  if progress:
+    print(f"eval: writing results to {workdir} (--workdir)", flush=True)
   if target is None:
     target = api.load_target(config.target, dtype=config.dtype, layout="layers")
   if drafter is None:
@@ -356,7 +391,7 @@ def run_sweep(config, workdir: str, *, prompts: Optional[dict] = None, target=No
   abl, extra = ablation_rows(config, target, drafter)
   drafters = {"main": drafter, **extra}
   cells = plan_cells(config, abl)
-  prompts_by_ds = _load_prompts(config, sorted({c.dataset for c in cells}), prompts)
+  prompts_by_ds = {ds: early_prompts[ds] for ds in sorted({c.dataset for c in cells})}
   block = max(d.config.block_size for d in drafters.values())
   ctx = Context(config, target, drafters, prompts_by_ds,
                 cells_lib.max_lens(target, prompts_by_ds, config, block))
@@ -397,7 +432,7 @@ def run(argv):
   """Entry from `python -m flexdraft_jax eval --config … --workdir DIR`."""
   from flexdraft_jax import cli_util
   from flexdraft_jax.training.config import define_flags
-  define_flags(argv, workdir=True)
+  define_flags(argv, workdir="where results.json/.csv/.md and the plots go (resumable)")
 
   def main(args):
     config, workdir = cli_util.config_and_workdir(args, "configs/eval_smollm2.py")
@@ -405,4 +440,4 @@ def run(argv):
     print(f"eval: {out['ran']} cells run, {out['skipped']} already done; "
           f"{os.path.join(workdir, 'results.md')}", flush=True)
 
-  cli_util.run_main(main, argv)
+  cli_util.run_main(main, argv, doc=__doc__)

@@ -10,6 +10,10 @@ class FlexDraftError(ValueError):
   """A user-facing error: its message is one line naming what is wrong."""
 
 
+class FlexDraftWarning(UserWarning):
+  """A user-facing warning (an option that has no effect): one line."""
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
   """Static description of a decoder-only transformer.

@@ -6,9 +6,13 @@ files and `$FLEXDRAFT_RUNS` (else `<repo>/../runs`) for regenerated data.
 
 from __future__ import annotations
 
+import math
+import numbers
 import os
 
 import ml_collections
+
+from flexdraft_jax.model.config import FlexDraftError
 
 _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -85,18 +89,63 @@ def base_config(name: str) -> ml_collections.ConfigDict:
   return c
 
 
-def define_flags(argv, *, workdir: bool = False) -> None:
+def _need(ok: bool, name: str, rule: str, value) -> None:
+  if not ok:
+    raise FlexDraftError(f"--config.{name} must be {rule}, got {value!r}")
+
+
+def _int(section, name: str, low: int, prefix: str) -> None:
+  v = section[name]
+  _need(isinstance(v, numbers.Integral) and not isinstance(v, bool) and v >= low,
+        f"{prefix}.{name}", f"an integer >= {low}", v)
+
+
+def check_data_config(dc) -> None:
+  """Range checks of `config.data` that need no model (run before loading one)."""
+  from flexdraft_jax.training.data import SOURCES
+  for name, low in (("batch_size", 1), ("max_new_tokens", 1), ("max_prompt_tokens", 1)):
+    _int(dc, name, low, "data")
+  for source, count in dict(dc.mix).items():
+    _need(source in SOURCES, f"data.mix.{source}", f"one of {', '.join(SOURCES)}", source)
+    _need(isinstance(count, int) and count >= -1, f"data.mix.{source}",
+          "an integer >= -1 (-1: all)", count)
+
+
+def check_train_config(config) -> None:
+  """Range checks of `config.train` and `config.drafter` that need no model."""
+  tc, dc = config.train, config.drafter
+  for name, low in (("num_layers", 1), ("block_size", 2), ("calib_rank", 1),
+                    ("draft_vocab", 0)):
+    _int(dc, name, low, "drafter")
+  for name, low in (("batch_size", 1), ("anchors_per_seq", 1), ("num_steps", 1),
+                    ("warmup_steps", 0), ("log_every", 1), ("eval_every", 0),
+                    ("num_eval", 0), ("eval_batch_size", 1), ("eval_anchors", 0),
+                    ("ckpt_every", 1), ("max_to_keep", 1), ("stop_at_step", 0)):
+    _int(tc, name, low, "train")
+  _int(tc, "seq_len", dc.block_size + 2, "train")
+  for name in ("lr", "gamma"):
+    v = tc[name]
+    _need(isinstance(v, numbers.Real) and math.isfinite(v) and v > 0, f"train.{name}",
+          "a finite number > 0", v)
+  _need(tc.loss in ("ce", "kl"), "train.loss", "'ce' or 'kl'", tc.loss)
+
+
+def define_flags(argv, *, workdir: str = "") -> None:
   """(Re)defines `--config` (+ `--config.a.b=v` overrides, which ml_collections
-  discovers from `argv`) and, optionally, `--workdir` on absl's global FLAGS."""
+  discovers from `argv`) and, when `workdir` (its help text) is given,
+  `--workdir` on absl's global FLAGS."""
   from absl import flags
   from ml_collections import config_flags
   for name in list(flags.FLAGS):
     if name == "config" or name.startswith("config."):
       delattr(flags.FLAGS, name)
-  config_flags.DEFINE_config_file("config", None, "configs/X.py (get_config())",
-                                  lock_config=True, sys_argv=list(argv))
-  if workdir and "workdir" not in flags.FLAGS:
-    flags.DEFINE_string("workdir", None, "checkpoints, metrics and exported drafters")
+  config_flags.DEFINE_config_file(
+      "config", None, "configs/X.py (its get_config()); override a field with "
+      "--config.a.b=VALUE", lock_config=True, sys_argv=list(argv))
+  if workdir:
+    if "workdir" in flags.FLAGS:
+      delattr(flags.FLAGS, "workdir")
+    flags.DEFINE_string("workdir", None, f"(required) {workdir}; made if missing")
 
 
 def qwen3_config(name: str, env_var: str, default_path: str, num_layers: int):

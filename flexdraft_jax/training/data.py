@@ -292,6 +292,38 @@ def draft_vocabulary(records: list, size: int, vocab_size: int, always=()) -> np
 
 # --------------------------------------------------------------- packing ----
 
+def anchor_range(prompt_len: int, length: int, seq_len: int, block_size: int) -> tuple:
+  """(lo, hi), inclusive: the anchors a of a sequence (`length` real tokens
+  within `seq_len`) with a >= prompt_len - 1 (the bonus at a + 1 is an answer
+  token), a + block_size <= seq_len - 1 and a + 1 < length; none if hi < lo."""
+  return max(prompt_len - 1, 0), min(seq_len - 1 - block_size, length - 2)
+
+
+def without_anchor(records: list, seq_len: int, block_size: int) -> int:
+  """How many of `records` have no anchor block that fits `seq_len`."""
+  n = 0
+  for r in records:
+    length = min(len(r.prompt_ids) + len(r.answer_ids), seq_len)
+    lo, hi = anchor_range(len(r.prompt_ids), length, seq_len, block_size)
+    n += hi < lo
+  return n
+
+
+def check_anchors(records: list, seq_len: int, block_size: int) -> None:
+  """Refuses training data where most sequences have no anchor that fits (they
+  contribute nothing: loss and τ 0); says how many when some do not."""
+  bad = without_anchor(records, seq_len, block_size)
+  if not bad:
+    return
+  what = (f"{bad} of {len(records)} training sequences have no anchor block within "
+          f"seq_len={seq_len} (their prompt leaves fewer than {block_size + 1} "
+          "tokens for the answer)")
+  if 2 * bad > len(records):
+    raise FlexDraftError(f"{what}: raise --config.train.seq_len or lower "
+                         "--config.data.max_prompt_tokens and regenerate")
+  print(f"train: warning: {what}; they add nothing", flush=True)
+
+
 class Packer:
   """Fixed-shape batches: sequences of `seq_len`, `anchors` anchor blocks each.
 
@@ -328,8 +360,7 @@ class Packer:
   def example(self, rec: Record, key: Iterable[int]) -> dict:
     T, bs, K = self.seq_len, self.bs, self.K
     tokens, length = self.tokens(rec)
-    lo = max(len(rec.prompt_ids) - 1, 0)
-    hi = min(T - 1 - bs, length - 2)       # inclusive
+    lo, hi = anchor_range(len(rec.prompt_ids), length, T, bs)
     rng = np.random.default_rng(list(key))
     if hi >= lo:
       cand = np.arange(lo, hi + 1)

@@ -19,8 +19,9 @@ import time
 import tqdm
 
 from flexdraft_jax.model.config import FlexDraftError
-from flexdraft_jax.model.loading import load_target
+from flexdraft_jax.model import loading
 from flexdraft_jax.training import data
+from flexdraft_jax.training.config import check_data_config
 
 
 def _generate_fn():
@@ -64,20 +65,24 @@ def regenerate(config, *, limit: int = 0, max_minutes: float = 0.0) -> dict:
   """Answers every not-yet-answered prompt of the mix; returns meta (with
   throughput). `limit` > 0 stops after that many new prompts, `max_minutes`
   > 0 starts no new batch after that long; the dataset is built either way."""
+  from flexdraft_jax.cli_util import writable_dir
   dc = config.data
-  regen_dir = os.path.abspath(dc.regen_dir)
-  target = load_target(config.target, config.dtype)
+  check_data_config(dc)
+  regen_dir = writable_dir(dc.regen_dir, "--config.data.regen_dir")
+  print(f"regenerate: writing to {regen_dir} (--config.data.regen_dir, default "
+        "$FLEXDRAFT_RUNS/regen/NAME, else <repo>/../runs/regen/NAME)", flush=True)
+  prompts = data.load_prompts(dc)  # missing prompt files: one line before the model load
+  target = loading.load_target(config.target, config.dtype)
   chat_kwargs = dict(dc.chat_kwargs)
   meta = {"target": target.name, "target_fingerprint": target.fingerprint,
           "max_new_tokens": dc.max_new_tokens, "chat_kwargs": chat_kwargs,
           "max_prompt_tokens": dc.max_prompt_tokens, "greedy": True}
   _check_meta(regen_dir, meta)
-  os.makedirs(regen_dir, exist_ok=True)
   data.use_packed(dc)
 
   done = {r["uid"] for r in data.read_shards(regen_dir)}
   todo, skipped = [], 0
-  for p in data.load_prompts(dc):
+  for p in prompts:
     if p.uid in done:
       continue
     ids = prompt_ids(target.tokenizer, p.text, chat_kwargs)
@@ -148,9 +153,9 @@ def run(argv):
   def main(args):
     if len(args) > 1:
       raise FlexDraftError(f"unexpected arguments: {' '.join(args[1:])}")
-    if flags.FLAGS.config is None:
-      raise FlexDraftError("--config is required (e.g. configs/smollm2_135m.py)")
-    regenerate(flags.FLAGS.config, limit=flags.FLAGS.limit,
-               max_minutes=flags.FLAGS.max_minutes)
+    config = cli_util.load_config("configs/smollm2_135m.py")
+    if flags.FLAGS.limit < 0 or flags.FLAGS.max_minutes < 0:
+      raise FlexDraftError("--limit and --max_minutes must be >= 0 (0: no limit)")
+    regenerate(config, limit=flags.FLAGS.limit, max_minutes=flags.FLAGS.max_minutes)
 
-  cli_util.run_main(main, argv)
+  cli_util.run_main(main, argv, doc=__doc__, key_flags=("config", "limit", "max_minutes"))

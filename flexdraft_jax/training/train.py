@@ -34,8 +34,9 @@ from flexdraft_jax.drafter import checkpoint as drafter_ckpt
 from flexdraft_jax.drafter.model import (Drafter, DrafterConfig, init_draft_params,
                                          trainable)
 from flexdraft_jax.model.config import FlexDraftError
-from flexdraft_jax.model.loading import load_target
+from flexdraft_jax.model import loading
 from flexdraft_jax.training import data, loss as loss_lib, sharding
+from flexdraft_jax.training.config import check_train_config
 from flexdraft_jax.training.metrics_log import MetricsLog
 
 DECAY_KEYS = ("q", "k", "v", "o", "w1", "w2")
@@ -151,16 +152,19 @@ def _eval_metrics(sums: list) -> dict:
 def _setup(config, workdir=None):
   """Target, data, mesh, initial state and jitted steps."""
   tc = config.train
-  target = load_target(config.target, config.dtype)
-  cfg, dcfg = target.config, drafter_config(config)
-  dcfg.validate(cfg)
+  dcfg = drafter_config(config)
   if tc.seq_len < dcfg.block_size + 2:
     raise FlexDraftError(f"seq_len={tc.seq_len} is too short for block_size="
                          f"{dcfg.block_size}")
 
+  # The data's checks come before the (slow) target load.
   data.use_packed(config.data)
   records = data.load_records(config.data.regen_dir)
   train_recs, eval_recs = data.split_eval(records, min(tc.num_eval, len(records) // 5))
+  data.check_anchors(train_recs, tc.seq_len, dcfg.block_size)
+  target = loading.load_target(config.target, config.dtype)
+  cfg = target.config
+  dcfg.validate(cfg)
   pack = functools.partial(data.Packer, seq_len=tc.seq_len, block_size=dcfg.block_size,
                            pad_id=cfg.pad_token_id, seed=tc.seed)
   packers = (pack(train_recs, anchors=tc.anchors_per_seq,
@@ -411,9 +415,13 @@ def _train_row(m, meta, bs, rate) -> dict:
 
 def train(config, workdir: str) -> TrainResult:
   """Runs (or resumes) training in `workdir`."""
+  check_train_config(config)
   sharding.maybe_initialize_distributed(**dict(config.distributed))
   tc, bs = config.train, config.drafter.block_size
   is_main = jax.process_index() == 0
+  if is_main:
+    print(f"train: writing checkpoints, metrics and drafters to {os.path.abspath(workdir)}"
+          f"{_other_writes(config, workdir)}", flush=True)
   state, target_params, packers, steps, mesh, info = _setup(config, workdir)
   (packer, eval_packer), target = packers, info.pop("target")
   fixed = info.pop("fixed_params")
@@ -504,6 +512,19 @@ def train(config, workdir: str) -> TrainResult:
   return TrainResult(summary, final.params)
 
 
+def _other_writes(config, workdir) -> str:
+  """Where else training writes: the unpacked data, the clean K/V cache."""
+  out = []
+  if config.data.get("packed", ""):
+    out.append(f"regenerated data into {os.path.abspath(config.data.regen_dir)} "
+               "(--config.data.regen_dir)")
+  if config.train.precompute_kv:
+    kv_dir = config.train.deep_kv_dir or os.path.join(workdir, "deep_kv")
+    out.append(f"the clean K/V cache to {os.path.abspath(kv_dir)} "
+               "(--config.train.deep_kv_dir)")
+  return "".join(f"; {x}" for x in out)
+
+
 def _evaluate(eval_step, params, target_params, packer, mesh, tc) -> dict:
   rows = sharding.local_rows(tc.eval_batch_size)
   sums = []
@@ -523,7 +544,7 @@ def _export(path, config, state, target, record, is_main, fixed=None) -> bool:
 def run(argv):
   from flexdraft_jax import cli_util
   from flexdraft_jax.training.config import define_flags
-  define_flags(argv, workdir=True)
+  define_flags(argv, workdir="where checkpoints, metrics and the exported drafters go")
 
   def main(args):
     config, workdir = cli_util.config_and_workdir(args, "configs/smollm2_135m.py")
@@ -531,4 +552,4 @@ def run(argv):
     if jax.process_index() == 0:
       print(json.dumps(result.summary))
 
-  cli_util.run_main(main, argv)
+  cli_util.run_main(main, argv, doc=__doc__)

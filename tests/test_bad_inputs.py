@@ -1,0 +1,324 @@
+"""Every bad input of docs/bad_inputs.md prints its one line (no traceback), and
+the checks that need no model run before the model is loaded.
+
+CASES is the table: (surface, what is wrong, argv or a call, the exact line).
+`{d}` in argv and lines is a temporary directory holding the bad files; the
+docs show it as `DIR`. test_docs_table_is_this_table keeps the two in step.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import re
+import warnings
+
+import numpy as np
+import pytest
+
+import flexdraft_jax as fd
+from flexdraft_jax.__main__ import COMMANDS
+from flexdraft_jax.training import data
+from tests import tiny
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DOC = os.path.join(REPO, "docs", "bad_inputs.md")
+TINY = "configs/tiny_test.py"
+EVAL = "configs/eval_smollm2.py"
+GEN = ["--model", "random:tiny", "--prompt", "hi", "--max-new-tokens", "2"]
+
+
+class Case(dict):
+  """surface, bad (what is wrong), argv (a CLI command) or call (Python), line."""
+
+
+def cli(surface, bad, argv, line, model=False):
+  return Case(surface=surface, bad=bad, argv=argv, line=line, model=model)
+
+
+def api(bad, call, line, warning=False):
+  return Case(surface="generate()", bad=bad, call=call, line=line, warning=warning)
+
+
+CASES = [
+    # ----------------------------------------------------- generate CLI ----
+    cli("generate", "`--batch-size -2`", ["generate", *GEN, "--batch-size", "-2"],
+        "error: --batch-size must be an integer >= 1 (unset: all prompts in one batch), "
+        "got -2"),
+    cli("generate", "`--batch-size 0` (it meant \"all\")", ["generate", *GEN, "--batch-size", "0"],
+        "error: --batch-size must be an integer >= 1 (unset: all prompts in one batch), "
+        "got 0"),
+    cli("generate", "`--batch-size x`", ["generate", *GEN, "--batch-size", "x"],
+        "error: argument --batch-size: invalid int value: 'x' (see --help)"),
+    cli("generate", "`--temperature nan` (decoded all-zero tokens)",
+        ["generate", *GEN, "--temperature", "nan"],
+        "error: --temperature must be a finite number >= 0, got nan"),
+    cli("generate", "`--temperature inf`", ["generate", *GEN, "--temperature", "inf"],
+        "error: --temperature must be a finite number >= 0, got inf"),
+    cli("generate", "`--top-p 1.5`", ["generate", *GEN, "--top-p", "1.5"],
+        "error: --top-p must be in (0, 1], got 1.5"),
+    cli("generate", "`--max-new-tokens 0`", ["generate", *GEN, "--max-new-tokens", "0"],
+        "error: --max-new-tokens must be an integer >= 1, got 0"),
+    cli("generate", "`--mode flex` without `--drafter`", ["generate", *GEN, "--mode", "flex"],
+        "error: mode 'flex' needs a drafter (--drafter PATH)"),
+    cli("generate", "`--drafter` that does not exist",
+        ["generate", *GEN, "--mode", "flex", "--drafter", "{d}/nope"],
+        "error: no drafter at {d}/nope (not a directory)"),
+    cli("generate", "`--prompts-file` is a directory", ["generate", *GEN, "--prompts-file", "{d}"],
+        "error: prompts file {d} is a directory"),
+    cli("generate", "`--prompts-file` is not UTF-8",
+        ["generate", *GEN, "--prompts-file", "{d}/latin1.jsonl"],
+        "error: prompts file {d}/latin1.jsonl is not UTF-8 text (byte 15)"),
+    cli("generate", "`{\"prompt\": 123}` in the prompts file",
+        ["generate", *GEN, "--prompts-file", "{d}/int.jsonl"],
+        "error: {d}/int.jsonl:1: 'prompt' must be a string, got int 123"),
+    cli("generate", "`--stop 99999` (outside the vocabulary: never matched)",
+        ["generate", *GEN, "--stop", "99999"],
+        "error: stop id 99999 is outside the vocabulary [0, 264)", model=True),
+    cli("generate", "`--block-size 99` in mode `ar` (was ignored silently)",
+        ["generate", *GEN, "--block-size", "99"],
+        "warning: --block-size=99 has no effect in mode 'ar' (no drafts)", model=True),
+    cli("generate", "`--draft-sampling` at T=0 (was ignored silently)",
+        ["generate", *GEN, "--draft-sampling"],
+        "warning: --draft-sampling has no effect at temperature 0 (greedy decoding drafts "
+        "and keeps the argmax)", model=True),
+    # ------------------------------------------------ generate() in Python ----
+    api("`temperature=float(\"nan\")`", dict(temperature=float("nan")),
+        "temperature must be a finite number >= 0, got nan"),
+    api("bytes prompts (became token ids)", dict(prompts=b"hello"),
+        "prompts are bytes: pass text (str) or lists of token ids"),
+    api("a bytes prompt in the list", dict(prompts=[b"hello"]),
+        "prompt 0 is bytes: pass text (str) or a list of token ids"),
+    api("float token ids (were truncated)", dict(prompts=[[1.5, 2.0]]),
+        "prompt 0 has a token id that is not an integer: 1.5"),
+    api("a flat id list", dict(prompts=[1, 2, 3]),
+        "prompts is a flat list of 3 ids: pass a list of prompts, e.g. [[1, 2, 3]] for "
+        "one prompt of ids"),
+    api("an int `stop`", dict(stop=5),
+        "stop must be a list of token ids or single-token strings, got int 5 "
+        "(e.g. stop=[5])"),
+    api("a stop id outside the vocabulary (did nothing)", dict(stop=[99999]),
+        "stop id 99999 is outside the vocabulary [0, 264)"),
+    api("`batch_size=0` (meant \"all\")", dict(batch_size=0),
+        "batch_size must be an integer >= 1 (unset: all prompts in one batch), got 0"),
+    api("`block_size=3` in mode `ar` (FlexDraftWarning)", dict(block_size=3),
+        "block_size=3 has no effect in mode 'ar' (no drafts)", warning=True),
+    api("`draft_sampling=True` at T=0 (FlexDraftWarning)", dict(draft_sampling=True),
+        "draft_sampling has no effect at temperature 0 (greedy decoding drafts and keeps "
+        "the argmax)", warning=True),
+    # -------------------------------------------------------------- train ----
+    cli("train", "`--workdir` under a file",
+        ["train", f"--config={TINY}", "--workdir", "{d}/afile/run"],
+        "error: --workdir {d}/afile/run: a file is in the way (not a directory)"),
+    cli("train", "`--workdir` not writable", ["train", f"--config={TINY}", "--workdir", "{ro}"],
+        "error: --workdir {ro} is not writable: Permission denied"),
+    cli("train", "a missing config file", ["train", "--config=configs/nope.py", "--workdir", "{d}/w"],
+        "error: config file not found: configs/nope.py"),
+    cli("train", "an unknown `--config.*` key",
+        ["train", f"--config={TINY}", "--config.train.nope=3", "--workdir", "{d}/w"],
+        f"error: unknown config key --config.train.nope ({TINY} has no 'train.nope')"),
+    cli("train", "`--config.train.batch_size=-2`",
+        ["train", f"--config={TINY}", "--config.train.batch_size=-2", "--workdir", "{d}/w"],
+        "error: --config.train.batch_size must be an integer >= 1, got -2"),
+    cli("train", "every prompt longer than `seq_len` (trained on nothing, loss 0)",
+        ["train", f"--config={TINY}", "--config.data.regen_dir={d}/regen",
+         "--config.train.seq_len=30", "--workdir", "{d}/w"],
+        "error: 20 of 20 training sequences have no anchor block within seq_len=30 (their "
+        "prompt leaves fewer than 5 tokens for the answer): raise --config.train.seq_len "
+        "or lower --config.data.max_prompt_tokens and regenerate"),
+    # --------------------------------------------------------------- eval ----
+    cli("eval", "`--workdir` is a file", ["eval", f"--config={EVAL}", "--workdir", "{d}/afile"],
+        "error: --workdir {d}/afile: a file is in the way (not a directory)"),
+    cli("eval", "`--config.eval.batch_sizes=0`",
+        ["eval", f"--config={EVAL}", "--config.eval.batch_sizes=0", "--workdir", "{d}/e"],
+        "error: --config.eval.batch_sizes and --config.ablation.batch_size must be >= 1, "
+        "got 0"),
+    cli("eval", "`--config.eval.temperatures=nan`",
+        ["eval", f"--config={EVAL}", "--config.eval.temperatures=nan", "--workdir", "{d}/e"],
+        "error: --config.eval.temperatures: each must be a finite number >= 0, got nan"),
+    cli("eval", "benchmark files missing (a clone without `$FLEXDRAFT_DATA`)",
+        ["eval", f"--config={EVAL}", "--config.data_dir={d}/none", "--config.eval.datasets=gsm8k",
+         "--workdir", "{d}/e"],
+        "error: gsm8k: data file not found: {d}/none/gsm8k/test.jsonl (get it from "
+        "openai/grade-school-math grade_school_math/data/test.jsonl; see shared/data/README.md; "
+        "point --config.data_dir or $FLEXDRAFT_DATA at the folder)"),
+    # --------------------------------------------------------- regenerate ----
+    cli("regenerate", "`regen_dir` under a file",
+        ["regenerate", f"--config={TINY}", "--config.data.regen_dir={d}/afile/r"],
+        "error: --config.data.regen_dir {d}/afile/r: a file is in the way (not a directory)"),
+    cli("regenerate", "`--config.data.batch_size=0`",
+        ["regenerate", f"--config={TINY}", "--config.data.batch_size=0",
+         "--config.data.regen_dir={d}/r"],
+        "error: --config.data.batch_size must be an integer >= 1, got 0"),
+    cli("regenerate", "a prompt file that is missing",
+        ["regenerate", f"--config={TINY}", "--config.data.paths.gsm8k={d}/none.jsonl",
+         "--config.data.regen_dir={d}/r"],
+        "error: prompt file not found: {d}/none.jsonl"),
+]
+
+
+def _id(case) -> str:
+  return re.sub(r"\W+", "_", f"{case['surface']}_{case['bad']}").strip("_")[:60]
+
+
+@pytest.fixture(scope="module")
+def bad_files(tmp_path_factory):
+  """The bad files the cases name: a file in the way, a read-only dir, prompts
+  files, and regenerated data whose prompts are all longer than 25 tokens."""
+  tmp_path = tmp_path_factory.mktemp("bad")
+  (tmp_path / "afile").write_text("x")
+  (tmp_path / "latin1.jsonl").write_bytes('{"prompt": "caf\xe9"}\n'.encode("latin-1"))
+  (tmp_path / "int.jsonl").write_text(json.dumps({"prompt": 123}) + "\n")
+  ro = tmp_path / "readonly"
+  ro.mkdir()
+  ro.chmod(0o500)
+  tiny.write_fake_regen(str(tmp_path / "regen"), tiny.tiny_target(), n=24)
+  yield str(tmp_path), str(ro)
+  ro.chmod(0o700)
+
+
+def _no_model(monkeypatch):
+  """Loading a model fails the test: the checks must come first."""
+  def fail(*a, **k):
+    raise AssertionError("the model was loaded before the input was checked")
+  from flexdraft_jax import api as api_mod
+  from flexdraft_jax.model import loading
+  from flexdraft_jax.model import random_target
+  monkeypatch.setattr(fd, "load_target", fail)
+  monkeypatch.setattr(api_mod, "load_target", fail)
+  monkeypatch.setattr(loading, "load_target", fail)
+  monkeypatch.setattr(random_target, "load", fail)
+
+
+def _fill(x, d, ro):
+  return x.replace("{d}", d).replace("{ro}", ro)
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if "argv" in c], ids=_id)
+def test_cli_bad_input_prints_one_line(case, bad_files, monkeypatch, capsys):
+  d, ro = bad_files
+  monkeypatch.setenv("FLEXDRAFT_COST_CACHE", "")
+  if not case["model"]:
+    _no_model(monkeypatch)
+  argv = [_fill(a, d, ro) for a in case["argv"]]
+  line = _fill(case["line"], d, ro)
+  if "{ro}" in case["argv"][-1] and os.access(ro, os.W_OK):
+    pytest.skip("running as root: a read-only directory is writable")
+  module = importlib.import_module(COMMANDS[argv[0]])
+  with pytest.raises(SystemExit) as e:
+    module.run([f"flexdraft_jax {argv[0]}"] + argv[1:])
+  err = capsys.readouterr().err
+  assert "Traceback" not in err
+  if line.startswith("warning:"):
+    assert e.value.code in (0, None), err
+    assert line in err.splitlines(), err
+  else:
+    assert e.value.code == 1
+    assert err.strip().splitlines()[-1] == line, err
+    assert sum(x.startswith("error:") for x in err.splitlines()) == 1
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if "call" in c], ids=_id)
+def test_generate_bad_input_is_one_line(case):
+  target = tiny.tiny_target()
+  kw = dict(case["call"])
+  prompts = kw.pop("prompts", [[3, 4, 5]])
+  if case["warning"]:
+    with pytest.warns(fd.FlexDraftWarning) as rec:
+      fd.generate(target, prompts, max_new_tokens=2, **kw)
+    assert [str(w.message) for w in rec if w.category is fd.FlexDraftWarning] == [case["line"]]
+    return
+  with pytest.raises(fd.FlexDraftError) as e:
+    fd.generate(target, prompts, max_new_tokens=2, **kw)
+  assert str(e.value) == case["line"]
+
+
+def _generate_json(argv, capsys) -> dict:
+  from flexdraft_jax import cli
+  assert cli.main(GEN[:4] + ["--json"] + argv) == 0
+  return json.loads(capsys.readouterr().out)
+
+
+def test_generate_cli_takes_the_python_api_names(monkeypatch, capsys):
+  monkeypatch.setenv("FLEXDRAFT_COST_CACHE", "")
+  base = ["--max-new-tokens", "8", "--prompt", "abc"]
+  free = _generate_json(base, capsys)["outputs"]
+  stop = free[1]["token_ids"][3]
+  cut = free[1]["token_ids"].index(stop) + 1
+  # --stop (an id), --attn-impl and the old --attention-impl, --max-len
+  for flag in ("--attn-impl", "--attention-impl"):
+    out = _generate_json(base + ["--stop", str(stop), flag, "xla", "--max-len", "64"],
+                         capsys)["outputs"]
+    assert out[1]["token_ids"] == free[1]["token_ids"][:cut]
+  from flexdraft_jax import cli
+  with pytest.raises(fd.FlexDraftError, match=r"longer than the cache \(max_len=4\)"):
+    cli.main(GEN + ["--prompt", "a longer prompt", "--max-len", "4"])
+
+
+def test_integer_arrays_are_still_prompts():
+  import jax.numpy as jnp
+  target = tiny.tiny_target()
+  ref = fd.generate(target, [[3, 4, 5]], max_new_tokens=3).token_ids
+  for prompts in (np.array([[3, 4, 5]], np.int64), jnp.asarray([[3, 4, 5]], jnp.int32),
+                  [[np.int32(3), 4, jnp.int32(5)]]):
+    assert fd.generate(target, prompts, max_new_tokens=3).token_ids == ref
+
+
+def test_no_effect_options_used_as_meant_are_silent():
+  target = tiny.tiny_target()
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", fd.FlexDraftWarning)
+    fd.generate(target, [[3, 4, 5]], max_new_tokens=2, temperature=1.0, draft_sampling=True)
+
+
+@pytest.mark.parametrize("command, flags", [
+    ("train", ("--config", "--workdir")), ("eval", ("--config", "--workdir")),
+    ("regenerate", ("--config", "--limit", "--max_minutes"))])
+def test_short_help_lists_the_key_flags(command, flags, capsys):
+  module = importlib.import_module(COMMANDS[command])
+  with pytest.raises(SystemExit):
+    module.run([f"flexdraft_jax {command}", "--help"])
+  out = capsys.readouterr().out
+  for flag in flags:
+    assert f"  {flag}:" in out, out
+
+
+def test_tiny_test_config_leaves_every_kept_prompt_an_anchor(capsys):
+  c = tiny.tiny_test_config()
+  T, bs = c.train.seq_len, c.drafter.block_size
+
+  def rec(prompt_len, answer_len):
+    return data.Record("u", "s", np.ones(prompt_len, np.int32), np.ones(answer_len, np.int32))
+
+  # the longest prompt regeneration keeps, with the shortest and longest answer
+  kept = [rec(c.data.max_prompt_tokens, n) for n in (1, c.data.max_new_tokens)]
+  assert data.without_anchor(kept, T, bs) == 0
+  assert data.without_anchor([rec(T - bs + 1, 1)], T, bs) == 1  # one token longer
+  data.check_anchors(kept + [rec(T, 5)], T, bs)  # some without: one warning line
+  assert capsys.readouterr().out == (
+      f"train: warning: 1 of 3 training sequences have no anchor block within "
+      f"seq_len={T} (their prompt leaves fewer than {bs + 1} tokens for the answer); "
+      "they add nothing\n")
+  with pytest.raises(fd.FlexDraftError, match=f"^2 of 3 training sequences"):
+    data.check_anchors(kept[:1] + [rec(T, 5)] * 2, T, bs)
+
+
+def render_table() -> str:
+  """The markdown table of docs/bad_inputs.md."""
+  rows = ["| where | bad input | what it prints |", "|---|---|---|"]
+  for c in CASES:
+    line = c["line"] if "argv" in c else (
+        f"`FlexDraftWarning: {c['line']}`" if c["warning"] else f"`FlexDraftError: {c['line']}`")
+    if "argv" in c:
+      line = f"`{line}`"
+    line = line.replace("{d}", "DIR").replace("{ro}", "DIR").replace("|", "\\|")
+    rows.append(f"| {c['surface']} | {c['bad'].replace('|', '/')} | {line} |")
+  return "\n".join(rows) + "\n"
+
+
+def test_docs_table_is_this_table():
+  with open(DOC, encoding="utf-8") as f:
+    doc = f.read()
+  assert render_table() in doc, "regenerate the table: python -c 'from tests import " \
+      "test_bad_inputs as t; print(t.render_table())'"
