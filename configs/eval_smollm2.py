@@ -22,7 +22,7 @@ skipped row. The workdir is resumable: finished cells are never rerun.
 import os
 
 from flexdraft_jax.evaluation.sweep import SHIPPED_DRAFTER, default_config
-from flexdraft_jax.training.config import runs_root
+from flexdraft_jax.paths import runs_root
 
 
 def get_config():

@@ -114,13 +114,8 @@ def main(argv) -> int:
     prompts += _read_prompts_file(args.prompts_file)
   if not prompts:
     raise FlexDraftError("no prompts: pass --prompt TEXT or --prompts-file F.jsonl")
-  flex_threshold = args.flex_threshold
-  if flex_threshold != "auto":
-    try:
-      flex_threshold = int(flex_threshold)
-    except ValueError:
-      raise FlexDraftError(f"--flex-threshold must be an integer or 'auto', "
-                           f"got {flex_threshold!r}") from None
+  from flexdraft_jax.decoding.chunk import parse_flex_threshold
+  flex_threshold = parse_flex_threshold(args.flex_threshold, "--flex-threshold")
   kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
             top_k=args.top_k, top_p=args.top_p, mode=args.mode, batch_size=args.batch_size,
             max_len=args.max_len, threshold=args.threshold, strategy=args.strategy,

@@ -128,3 +128,21 @@ def config_and_workdir(args, example: str):
   if not flags.FLAGS.workdir:
     raise FlexDraftError("--workdir is required")
   return config, writable_dir(flags.FLAGS.workdir)
+
+
+def define_flags(argv, *, workdir: str = "") -> None:
+  """(Re)defines `--config` (+ `--config.a.b=v` overrides, which ml_collections
+  discovers from `argv`) and, when `workdir` (its help text) is given,
+  `--workdir` on absl's global FLAGS."""
+  from absl import flags
+  from ml_collections import config_flags
+  for name in list(flags.FLAGS):
+    if name == "config" or name.startswith("config."):
+      delattr(flags.FLAGS, name)
+  config_flags.DEFINE_config_file(
+      "config", None, "configs/X.py (its get_config()); override a field with "
+      "--config.a.b=VALUE", lock_config=True, sys_argv=list(argv))
+  if workdir:
+    if "workdir" in flags.FLAGS:
+      delattr(flags.FLAGS, "workdir")
+    flags.DEFINE_string("workdir", None, f"(required) {workdir}; made if missing")

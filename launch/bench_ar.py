@@ -127,7 +127,7 @@ def main(argv):
   torch.set_num_threads(n)
   import flexdraft_jax
   from flexdraft_jax.evaluation import benchmarks
-  from flexdraft_jax.training.config import data_root
+  from flexdraft_jax.paths import data_root
 
   batches = [int(b) for b in FLAGS.batch_sizes]
   M = FLAGS.max_new_tokens

@@ -43,7 +43,7 @@ def main(argv):
   del argv
   import flexdraft_jax as fd
   from flexdraft_jax.evaluation import benchmarks, sweep
-  from flexdraft_jax.training.config import data_root
+  from flexdraft_jax.paths import data_root
   target = fd.load_target("smollm2-135m", layout="layers")
   drafter = fd.load_drafter(sweep.resolve_path(FLAGS.drafter), target)
   kw = benchmarks.chat_kwargs(target)

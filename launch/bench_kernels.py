@@ -45,6 +45,7 @@ import numpy as np
 
 from flexdraft_jax.kernels import attention as kattn
 from flexdraft_jax.model.attention import attend_xla
+from flexdraft_jax.util import round_up
 
 MODELS = {  # name: (q heads, kv heads, head_dim)
     "smollm2_135m": (9, 3, 64),
@@ -94,7 +95,7 @@ def decode_inputs(key, B, N, K, D, S, c, bs, G, dtype):
 
 def kv_bytes_read(B, K, D, S, E, max_limit, bk, itemsize):
   """K/V bytes the kernel reads: visible cache blocks + mask K/V."""
-  blocks = min(S, -(-(max_limit + 1) // bk) * bk)
+  blocks = min(S, round_up(max_limit + 1, bk))
   return 2 * B * K * D * itemsize * (blocks + E)
 
 

@@ -80,6 +80,6 @@ def main(argv):
 if __name__ == "__main__":
   import sys
 
-  from flexdraft_jax.training.config import define_flags
+  from flexdraft_jax.cli_util import define_flags
   define_flags(sys.argv)
   app.run(main)

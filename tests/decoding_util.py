@@ -58,14 +58,6 @@ def random_drafter(target, num_layers=2, block_size=4, seed=1, noise=0.0):
   return Drafter(dcfg, p, target.fingerprint)
 
 
-def top2_gap(target, ids):
-  """Gap between the target's two largest logits after the prefix `ids`."""
-  from flexdraft_jax import target_logits
-  lg = np.asarray(target_logits(target, np.asarray([ids])))[0, -1]
-  top = np.sort(lg)[-2:]
-  return float(top[1] - top[0])
-
-
 def bigram_drafter(target, num_layers=2, scale=30.0, block_size=2):
   """A drafter whose every slot drafts the target's favourite successor of the
   bonus token — built in closed form through the calibration MLP, so first

@@ -16,7 +16,7 @@ from flexdraft_jax import api
 from flexdraft_jax.evaluation import benchmarks, cells, report, sweep
 from flexdraft_jax.evaluation.benchmarks import BenchmarkPrompt
 from flexdraft_jax.model.config import FlexDraftError
-from flexdraft_jax.training.config import data_root
+from flexdraft_jax.paths import data_root
 from tests import data_fixture
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -18,7 +18,7 @@ from flexdraft_jax.drafter import checkpoint as drafter_ckpt  # noqa: E402
 from flexdraft_jax.drafter.model import DrafterConfig, init_draft_params  # noqa: E402
 from flexdraft_jax.model import transformer  # noqa: E402
 from flexdraft_jax.training import data, loss as loss_lib, sharding, train  # noqa: E402
-from flexdraft_jax.training.config import data_root  # noqa: E402
+from flexdraft_jax.paths import data_root  # noqa: E402
 
 # Subprocesses share the suite's compile cache (tests/conftest.py).
 XLA_CACHE = jax.config.jax_compilation_cache_dir

@@ -1,15 +1,10 @@
-"""`generate`: tokenise, batch, prefill, drive the jitted steps, collect results.
-
-The host drives *chunks*: one jitted `lax.while_loop` of up to `n` steps of one
-mode with a fixed group count, the state (and its KV cache) donated. Between
-chunks the host reads a few flags to pick the next mode / group bucket.
-"""
+"""`generate`: check the inputs, tokenise, batch, prefill, run the driver
+(driver.py) over the jitted chunks (chunk.py), collect results and stats."""
 
 from __future__ import annotations
 
 import collections
 import dataclasses
-import functools
 import numbers
 import time
 import warnings
@@ -19,12 +14,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from flexdraft_jax.decoding import ar, flex, parallel, sequential, sharding, timing, verify
+from flexdraft_jax.decoding import sharding, timing
+from flexdraft_jax.decoding.chunk import SpecOptions, prefill_batch
+from flexdraft_jax.decoding.driver import Driver
 from flexdraft_jax.decoding.sampling import SamplingParams
-from flexdraft_jax.decoding.state import KV_BLOCK, DecodeState, prefill
+from flexdraft_jax.decoding.state import KV_BLOCK
 from flexdraft_jax.drafter.model import Drafter, draft_head
 from flexdraft_jax.model import transformer
 from flexdraft_jax.model.config import FlexDraftError, FlexDraftWarning
+from flexdraft_jax.util import round_up
 
 MODES = ("ar", "parallel", "sequential", "flex")
 ATTN_IMPLS = ("xla", "pallas", "auto")
@@ -35,105 +33,6 @@ class GenerateResult:
   token_ids: list      # per prompt: new ids, up to and including a stop token
   texts: list
   stats: dict
-
-
-@dataclasses.dataclass(frozen=True)
-class SpecOptions:
-  """Speculative-mode knobs (static: each value compiles its own steps)."""
-  theta: float = 0.0
-  strategy: str = "cumulative_product"
-  flex_threshold: object = "auto"   # B*: an int, or "auto"
-  group_buckets: tuple = ()         # () -> 2, 3, 5, 9, … up to bs
-  verify_len: Optional[int] = None  # k: verify at most k - 1 drafts (None: bs)
-  cost_cache: object = "default"    # flex's step-cost file (see flex.cost_cache_path)
-
-  def validate(self):
-    if not isinstance(self.theta, numbers.Real) or not 0.0 <= self.theta <= 1.0:
-      raise FlexDraftError(f"threshold θ must be in [0, 1], got {self.theta}")
-    if self.strategy not in verify.STRATEGIES:
-      raise FlexDraftError(f"strategy must be one of {verify.STRATEGIES}, "
-                           f"got {self.strategy!r}")
-    if self.flex_threshold != "auto" and (
-        not isinstance(self.flex_threshold, int) or self.flex_threshold < 0):
-      raise FlexDraftError(
-          f"flex threshold must be 'auto' or an integer >= 0, got {self.flex_threshold!r}")
-    if self.verify_len is not None and (
-        not isinstance(self.verify_len, int) or self.verify_len < 2):
-      raise FlexDraftError(f"verify_len must be an integer >= 2, got {self.verify_len!r}")
-
-
-def _round_up(x: int, m: int) -> int:
-  return -(-x // m) * m
-
-
-def group_buckets(bs: int, opts: SpecOptions) -> tuple:
-  """Group counts G that get a compiled parallel step: 2, 3, 5, 9, 17 … capped at bs."""
-  if opts.group_buckets:
-    return tuple(sorted(opts.group_buckets))
-  out, v = [], 1
-  while v < bs - 1:
-    out.append(v + 1)
-    v *= 2
-  out.append(bs)
-  return tuple(sorted(set(out)))
-
-
-@functools.partial(jax.jit, static_argnames=(
-    "cfg", "dcfg", "S", "sp", "out_len", "attn_impl", "cache_sharding"))
-def _prefill(target_params, draft_params, prompt_BxP, plen_B, valid_B, key, *,
-             cfg, dcfg, S, sp, max_new, out_len, stop_ids, attn_impl,
-             cache_sharding=None):
-  B = prompt_BxP.shape[0]
-  cache = transformer.KVCache.zeros(
-      cfg, B, S, target_params["embed"].dtype,
-      per_layer=transformer.is_per_layer(target_params))
-  if cache_sharding is not None:
-    cache = jax.lax.with_sharding_constraint(cache, cache_sharding)
-  drafter = None if dcfg is None else Drafter(dcfg, draft_params)
-  return prefill(target_params, cfg, cache, prompt_BxP, plen_B, valid_B, key,
-                 sp=sp, max_new=max_new, out_len=out_len, stop_ids=stop_ids,
-                 drafter=drafter, attn_impl=attn_impl)
-
-
-@functools.partial(jax.jit, donate_argnames=("state",), static_argnames=(
-    "cfg", "dcfg", "mode", "num_groups", "sp", "strategy", "attn_impl", "refresh"))
-def run_chunk(target_params, draft_params, state: DecodeState, *, cfg, dcfg, mode,
-              num_groups, n_steps, sp, max_new, stop_ids, theta, strategy,
-              attn_impl, refresh=False):
-  """Up to `n_steps` steps of one mode in a device loop (stops when all rows are
-  done). `num_groups` is the verify length k: parallel's group count, or the
-  positions of sequential's verify block."""
-  drafter = None if dcfg is None else Drafter(dcfg, draft_params)
-  kw = dict(sp=sp, max_new=max_new, stop_ids=stop_ids, attn_impl=attn_impl)
-  if refresh:  # drafts went stale during AR steps
-    state = verify.refresh_drafts(target_params, cfg, drafter, state, sp=sp,
-                                  attn_impl=attn_impl)
-  if mode == "ar":
-    step = lambda st: ar.ar_step(target_params, cfg, st, **kw)
-  elif mode == "sequential":
-    step = lambda st: sequential.sequential_step(
-        target_params, cfg, drafter, st, verify_len=num_groups, theta=theta,
-        strategy=strategy, **kw)
-  else:
-    step = lambda st: parallel.parallel_step(
-        target_params, cfg, drafter, st, num_groups=num_groups, theta=theta,
-        strategy=strategy, **kw)
-
-  def cond(carry):
-    i, st = carry
-    return (i < n_steps) & ~jnp.all(st.done_B)
-
-  def body(carry):
-    i, st = carry
-    return i + 1, step(st)
-
-  return jax.lax.while_loop(cond, body, (jnp.int32(0), state))[1]
-
-
-@functools.partial(jax.jit, static_argnames=("strategy",))
-def _needed_groups(state: DecodeState, *, theta, strategy):
-  vlen = verify.selective_vlen(state.conf_BxD, theta, strategy)
-  return jnp.max(jnp.where(state.done_B, 1, vlen)) + 1, jnp.sum(~state.done_B)
 
 
 def _is_int(x) -> bool:
@@ -402,12 +301,12 @@ def _capacity(cfg, plens, max_new, bs, max_len):
     if longest + 1 > max_len:
       raise FlexDraftError(f"a prompt has {longest} tokens, longer than the cache "
                            f"(max_len={max_len})")
-    return _round_up(max(max_len, need), KV_BLOCK)
+    return round_up(max(max_len, need), KV_BLOCK)
   if max(plens) + max_new > cfg.max_position_embeddings:
     raise FlexDraftError(
         f"prompt of {max(plens)} tokens + max_new_tokens={max_new} exceeds the "
         f"model's context of {cfg.max_position_embeddings}")
-  return _round_up(need, KV_BLOCK)
+  return round_up(need, KV_BLOCK)
 
 
 def _generate_batch(target, ids, max_new, sp, seed, drafter, mode, opts,
@@ -418,7 +317,7 @@ def _generate_batch(target, ids, max_new, sp, seed, drafter, mode, opts,
   plens = [len(x) for x in ids] + [1] * (Bp - len(ids))  # pad rows start done
   bs = drafter.config.block_size if drafter is not None else 1
   S = _capacity(cfg, plens, max_new, bs, max_len)
-  prompt = np.zeros((Bp, _round_up(max(plens), 32)), np.int32)
+  prompt = np.zeros((Bp, round_up(max(plens), 32)), np.int32)
   for i, x in enumerate(ids):
     prompt[i, :len(x)] = x
   prompt, plen, valid = sharding.put_batch(
@@ -433,12 +332,12 @@ def _generate_batch(target, ids, max_new, sp, seed, drafter, mode, opts,
   traced = dict(max_new=jnp.int32(max_new), stop_ids=_stop_array(stop_ids))
   timing.listen()
   t0 = time.perf_counter()
-  state = _prefill(target.params, dparams, prompt, plen, valid,
+  state = prefill_batch(target.params, dparams, prompt, plen, valid,
                    jax.random.PRNGKey(seed), S=S, out_len=S,  # max_new < S; shapes need only S
                    cache_sharding=sharding.cache_sharding(mesh), **static, **traced)
   jax.block_until_ready(state)
   t1, w1 = time.perf_counter(), timing.now()
-  driver = flex.Driver(target, drafter, mode, opts, static, traced, Bp, S,
+  driver = Driver(target, drafter, mode, opts, static, traced, Bp, S,
                        steps_per_call=steps_per_call, mesh=mesh)
   state = jax.block_until_ready(driver.run(state, max_new))
   w2 = timing.now()
@@ -477,7 +376,7 @@ def _merge_stats(parts, mode):
   # Decode throughput (SPEC §5): tokens decided after prefill (each row's
   # first token comes from the prefill forward) per second of decoding;
   # compiling and flex's step-cost timing are not decoding.
-  s["tokens_per_second"] = s["decode_tokens"] / max(s["decode_seconds"], 1e-9)
+  s["tokens_per_second"] = timing.tokens_per_second(s["decode_tokens"], s["decode_seconds"])
   s["tau"] = s["committed_tokens"] / max(s["verified_row_steps"], 1)
   for k in ("group_counts", "mode_steps"):  # run-length [value, steps] lists
     s[k] = [x for p in parts for x in p.get(k, [])]

@@ -8,6 +8,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from flexdraft_jax.util import round_up
+
 _replicated_params = {}
 
 
@@ -20,7 +22,7 @@ def batch_mesh() -> Optional[Mesh]:
 
 def padded_batch(batch: int, mesh: Optional[Mesh]) -> int:
   n = 1 if mesh is None else mesh.size
-  return -(-batch // n) * n
+  return round_up(batch, n)
 
 
 def cache_sharding(mesh: Optional[Mesh]):

@@ -55,3 +55,10 @@ def compile_spans(start: float, end: float) -> list:
   """The recorded compile spans that overlap [start, end]."""
   with _lock:
     return [(s, e) for s, e in _spans if e > start and s < end]
+
+
+def tokens_per_second(decode_tokens: int, decode_seconds: float) -> float:
+  """Decode throughput (SPEC §5), the project's one definition: tokens decided
+  by decode steps (each row's first token comes from prefill and is not one)
+  per second of decoding, compiling and flex's step-cost timing left out."""
+  return decode_tokens / max(decode_seconds, 1e-9)

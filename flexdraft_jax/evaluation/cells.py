@@ -14,6 +14,8 @@ from typing import NamedTuple, Optional
 import ml_collections
 import numpy as np
 
+from flexdraft_jax.decoding import timing
+from flexdraft_jax.decoding.chunk import parse_flex_threshold
 from flexdraft_jax.evaluation import benchmarks
 from flexdraft_jax.model.config import FlexDraftError
 
@@ -110,7 +112,7 @@ def _merge(stats: list) -> dict:
     hist[:len(x["accept_hist"])] += x["accept_hist"]
   s["accept_hist"] = hist.tolist()
   # as generate's stats: tokens of decode steps per decode second (SPEC §5)
-  s["tokens_per_second"] = s["decode_tokens"] / max(s["decode_seconds"], 1e-9)
+  s["tokens_per_second"] = timing.tokens_per_second(s["decode_tokens"], s["decode_seconds"])
   s["tau"] = s["committed_tokens"] / max(s["verified_row_steps"], 1)
   groups = _run_lengths(stats, "group_counts")
   s["mean_groups"] = (sum(int(g) * n for g, n in groups.items()) / sum(groups.values())
@@ -143,7 +145,7 @@ def _generate(ctx: Context, cell: Cell, rows: list, max_new: int = 0) -> tuple:
         max_len=ctx.max_len[(cell.dataset, turn)], threshold=cell.theta,
         strategy=ec.strategy, attn_impl=ec.attn_impl,
         # only the modes they act on get them (generate warns otherwise)
-        flex_threshold=parse_flex_threshold(ec.flex_threshold) if mode == "flex" else "auto",
+        flex_threshold=parse_flex_threshold(ec.flex_threshold, "eval.flex_threshold") if mode == "flex" else "auto",
         block_size=(ec.block_size or None) if mode != "ar" else None)
     for i, x, toks, text in zip(live, ids, res.token_ids, res.texts):
       answers[i].append(text)
@@ -151,16 +153,6 @@ def _generate(ctx: Context, cell: Cell, rows: list, max_new: int = 0) -> tuple:
       prompt_ids[i].append(x)
     stats.append(res.stats)
   return outputs, prompt_ids, _merge(stats)
-
-
-def parse_flex_threshold(value):
-  if isinstance(value, str) and value != "auto":
-    try:
-      return int(value)
-    except ValueError:
-      raise FlexDraftError(f"eval.flex_threshold must be 'auto' or an integer, "
-                           f"got {value!r}") from None
-  return value
 
 
 WARMUP_TOKENS = 40  # new tokens per warm-up row: a few blocks of every mode

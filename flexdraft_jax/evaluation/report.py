@@ -13,6 +13,7 @@ import os
 import numpy as np
 
 from flexdraft_jax.evaluation.cells import Cell
+from flexdraft_jax.util import ceil_div
 
 MODE_ORDER = ("ar", "parallel", "parallel_sel", "sequential", "flex")
 CSV_FIELDS = ("dataset", "batch_size", "mode", "theta", "temperature", "drafter",
@@ -217,7 +218,7 @@ def _figure(n_panels: int, width: float = 4.0, height: float = 3.2):
   from matplotlib.backends.backend_agg import FigureCanvasAgg
   from matplotlib.figure import Figure
   cols = min(n_panels, 3)
-  nrows = -(-n_panels // cols)
+  nrows = ceil_div(n_panels, cols)
   fig = Figure(figsize=(width * cols, height * nrows), layout="constrained")
   FigureCanvasAgg(fig)
   axes = fig.subplots(nrows, cols, squeeze=False).ravel()

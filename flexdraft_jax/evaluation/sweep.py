@@ -31,6 +31,7 @@ from typing import Optional
 import ml_collections
 import numpy as np
 
+from flexdraft_jax.decoding.chunk import parse_flex_threshold
 from flexdraft_jax.evaluation import benchmarks, cells as cells_lib
 from flexdraft_jax.evaluation.cells import MODES, Cell, Context
 from flexdraft_jax.model.config import FlexDraftError
@@ -47,7 +48,7 @@ SHARED_SETTINGS = ("max_new_tokens", "limit", "batches_per_cell", "seed", "strat
 
 def default_config() -> ml_collections.ConfigDict:
   """Every field the sweep reads, with defaults; configs/eval_*.py adjust it."""
-  from flexdraft_jax.training.config import data_root
+  from flexdraft_jax.paths import data_root
   c = ml_collections.ConfigDict()
   c.name = "eval"
   c.target = "smollm2-135m"      # a load_target spec (random:NAME for tests)
@@ -189,7 +190,7 @@ def check_settings(config) -> None:
       raise FlexDraftError(f"--config.eval.{name} must be an integer >= {low}, got {v!r}")
   try:
     engine.check_options(threshold=ec.theta, strategy=ec.strategy,
-                         flex_threshold=cells_lib.parse_flex_threshold(ec.flex_threshold),
+                         flex_threshold=parse_flex_threshold(ec.flex_threshold, "eval.flex_threshold"),
                          attn_impl=ec.attn_impl)
   except FlexDraftError as e:
     raise FlexDraftError(f"--config.eval: {e}") from None
@@ -431,7 +432,7 @@ def run_sweep(config, workdir: str, *, prompts: Optional[dict] = None, target=No
 def run(argv):
   """Entry from `python -m flexdraft_jax eval --config … --workdir DIR`."""
   from flexdraft_jax import cli_util
-  from flexdraft_jax.training.config import define_flags
+  from flexdraft_jax.cli_util import define_flags
   define_flags(argv, workdir="where results.json/.csv/.md and the plots go (resumable)")
 
   def main(args):

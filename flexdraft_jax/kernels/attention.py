@@ -59,15 +59,12 @@ from flexdraft_jax.kernels import _common as C
 from flexdraft_jax.kernels import _platform
 from flexdraft_jax.kernels._col import col_call
 from flexdraft_jax.kernels._row import row_call
+from flexdraft_jax.util import ceil_div, round_up
 
 # (block_q, block_k, block_e) per backend.
 # TPU has no cache between HBM and VMEM: every q block re-reads the visible
 # K/V, so its q blocks are large (decode rows of a kv head fit in 1-3).
 DEFAULT_BLOCKS = {"gpu": (64, 64, 64), "tpu": (512, 512, 128)}
-
-
-def _round_up(x, m):
-  return -(-x // m) * m
 
 
 def _next_pow2(x):
@@ -87,8 +84,8 @@ def _fit_block(block, n, backend, interpret):
   if not interpret and block % 8:
     raise ValueError(f"tpu block sizes must be multiples of 8: {block}")
   n = max(n, 1)
-  n_blocks = -(-n // block)
-  return min(block, _round_up(-(-n // n_blocks), 8))
+  n_blocks = ceil_div(n, block)
+  return min(block, round_up(ceil_div(n, n_blocks), 8))
 
 
 def _pad_axis(x, axis, size, value=0):
@@ -230,8 +227,8 @@ def attend_pallas(q_BxTxNxD, k_BxKxSxD, v_BxKxSxD, limit_BxT,
   bq = _fit_block(block_q or dq_, R, backend, interp)
   bk = _fit_block(block_k or dk_, S, backend, interp)
   be = _fit_block(block_e or de_, E, backend, interp) if has_x else 8
-  Rp, Sp = _round_up(R, bq), _round_up(max(S, 1), bk)
-  Ep = _round_up(E, be) if has_x else 0
+  Rp, Sp = round_up(R, bq), round_up(max(S, 1), bk)
+  Ep = round_up(E, be) if has_x else 0
   dtypes = [q.dtype, k_BxKxSxD.dtype, v_BxKxSxD.dtype]
   if has_x:
     dtypes += [xk_BxExKxD.dtype, xv_BxExKxD.dtype]

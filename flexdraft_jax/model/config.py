@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Any, NamedTuple, Optional
 
 
 class FlexDraftError(ValueError):
@@ -73,3 +73,13 @@ def rope_scaling_tuple(rope_scaling: Optional[dict]) -> Optional[tuple]:
   items = {k: v for k, v in rope_scaling.items() if k != "type"}
   items["rope_type"] = kind
   return tuple(sorted(items.items()))
+
+
+class Target(NamedTuple):
+  """A loaded target (model/loading.py): config, target pytree, tokenizer,
+  display name, fingerprint."""
+  config: ModelConfig
+  params: Any
+  tokenizer: Any
+  name: str
+  fingerprint: str

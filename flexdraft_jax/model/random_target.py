@@ -15,8 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from flexdraft_jax.model import transformer, weights
-from flexdraft_jax.model.config import FlexDraftError, ModelConfig
-from flexdraft_jax.model.loading import Target
+from flexdraft_jax.model.config import FlexDraftError, ModelConfig, Target
 
 
 class ByteTokenizer:

@@ -13,17 +13,7 @@ import os
 import ml_collections
 
 from flexdraft_jax.model.config import FlexDraftError
-
-_REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def data_root() -> str:
-  return os.environ.get("FLEXDRAFT_DATA", os.path.join(_REPO, "..", "shared", "data"))
-
-
-def runs_root() -> str:
-  return os.environ.get("FLEXDRAFT_RUNS", os.path.join(_REPO, "..", "runs"))
-
+from flexdraft_jax.paths import data_root, runs_root
 
 MATH_SUFFIX = ("\n\nSolve the problem step by step, then give the final answer "
                "as `Final Answer: \\boxed{N}`.")
@@ -128,24 +118,6 @@ def check_train_config(config) -> None:
     _need(isinstance(v, numbers.Real) and math.isfinite(v) and v > 0, f"train.{name}",
           "a finite number > 0", v)
   _need(tc.loss in ("ce", "kl"), "train.loss", "'ce' or 'kl'", tc.loss)
-
-
-def define_flags(argv, *, workdir: str = "") -> None:
-  """(Re)defines `--config` (+ `--config.a.b=v` overrides, which ml_collections
-  discovers from `argv`) and, when `workdir` (its help text) is given,
-  `--workdir` on absl's global FLAGS."""
-  from absl import flags
-  from ml_collections import config_flags
-  for name in list(flags.FLAGS):
-    if name == "config" or name.startswith("config."):
-      delattr(flags.FLAGS, name)
-  config_flags.DEFINE_config_file(
-      "config", None, "configs/X.py (its get_config()); override a field with "
-      "--config.a.b=VALUE", lock_config=True, sys_argv=list(argv))
-  if workdir:
-    if "workdir" in flags.FLAGS:
-      delattr(flags.FLAGS, "workdir")
-    flags.DEFINE_string("workdir", None, f"(required) {workdir}; made if missing")
 
 
 def qwen3_config(name: str, env_var: str, default_path: str, num_layers: int):

@@ -19,17 +19,11 @@ import time
 import tqdm
 
 from flexdraft_jax.model.config import FlexDraftError
+from flexdraft_jax.decoding import timing
 from flexdraft_jax.model import loading
 from flexdraft_jax.training import data
 from flexdraft_jax.training.config import check_data_config
-
-
-def _generate_fn():
-  try:
-    from flexdraft_jax.decoding import generate
-  except ImportError:
-    from flexdraft_jax.decoding.engine import generate
-  return generate
+from flexdraft_jax.util import round_up
 
 
 def prompt_ids(tokenizer, text: str, chat_kwargs: dict) -> list:
@@ -101,12 +95,14 @@ def regenerate(config, *, limit: int = 0, max_minutes: float = 0.0) -> dict:
         f"prompts over {dc.max_prompt_tokens} tokens skipped; target {target.name}",
         flush=True)
 
-  generate = _generate_fn()
+  from flexdraft_jax.decoding.engine import generate
   shard = data.next_shard_index(regen_dir)
+  # Regeneration's rate: every answer token per second of `generate` calls
+  # (prefill included: it is part of answering a prompt).
   new_tokens, gen_seconds = 0, 0.0
   eos = set(int(t) for t in target.config.eos_token_ids)
   # One cache size for every batch: the decode loop compiles once per batch size.
-  max_len = -(-(dc.max_prompt_tokens + dc.max_new_tokens + 64) // 64) * 64
+  max_len = round_up(dc.max_prompt_tokens + dc.max_new_tokens + 64, 64)
   bar = tqdm.tqdm(total=len(todo), unit="prompt", dynamic_ncols=True)
   t_start = time.perf_counter()
   for start in range(0, len(todo), dc.batch_size):
@@ -128,10 +124,10 @@ def regenerate(config, *, limit: int = 0, max_minutes: float = 0.0) -> dict:
     shard += 1
     gen_seconds += dt
     bar.update(len(chunk))
-    bar.set_postfix(tok_s=f"{new_tokens / max(gen_seconds, 1e-9):.1f}")
+    bar.set_postfix(tok_s=f"{timing.tokens_per_second(new_tokens, gen_seconds):.1f}")
   bar.close()
   meta.update(last_run_new_tokens=new_tokens, last_run_seconds=round(gen_seconds, 2),
-              last_run_tokens_per_s=round(new_tokens / max(gen_seconds, 1e-9), 2),
+              last_run_tokens_per_s=round(timing.tokens_per_second(new_tokens, gen_seconds), 2),
               records=len(data.read_shards(regen_dir)))
   _write_meta(regen_dir, meta)
   meta["tfds_dir"] = data.build_dataset(regen_dir)
@@ -143,7 +139,7 @@ def run(argv):
   from absl import flags
 
   from flexdraft_jax import cli_util
-  from flexdraft_jax.training.config import define_flags
+  from flexdraft_jax.cli_util import define_flags
   define_flags(argv, workdir=False)
   if "limit" not in flags.FLAGS:
     flags.DEFINE_integer("limit", 0, "answer at most this many new prompts (0: all)")

@@ -38,6 +38,7 @@ from flexdraft_jax.model import loading
 from flexdraft_jax.training import data, loss as loss_lib, sharding
 from flexdraft_jax.training.config import check_train_config
 from flexdraft_jax.training.metrics_log import MetricsLog
+from flexdraft_jax.util import round_up
 
 DECAY_KEYS = ("q", "k", "v", "o", "w1", "w2")
 
@@ -236,7 +237,7 @@ def precompute_deep_kv(packer, target_params, cfg, dcfg, tc, replicated, name="t
   for start in tqdm.trange(0, n, bsz, desc=f"clean K/V ({name})",
                            disable=jax.process_index() != 0, dynamic_ncols=True):
     idx = [order[min(start + b, n - 1)] for b in range(bsz)]
-    width = min(T, -(-max(toks_lens[i][1] for i in idx) // 64) * 64)
+    width = min(T, round_up(max(toks_lens[i][1] for i in idx), 64))
     toks = np.stack([toks_lens[i][0][:width] for i in idx])
     k, v = fn(target_params, sharding.put_global(toks, replicated))
     k, v = (np.asarray(x.addressable_data(0)) for x in (k, v))
@@ -543,7 +544,7 @@ def _export(path, config, state, target, record, is_main, fixed=None) -> bool:
 
 def run(argv):
   from flexdraft_jax import cli_util
-  from flexdraft_jax.training.config import define_flags
+  from flexdraft_jax.cli_util import define_flags
   define_flags(argv, workdir="where checkpoints, metrics and the exported drafters go")
 
   def main(args):

@@ -1,0 +1,146 @@
+"""The device side of decoding: options, prefill, and the jitted chunk.
+
+A *chunk* is one jitted `lax.while_loop` of up to `n` steps of one mode at one
+verify length k, the state (and its KV cache) donated. The host (driver.py)
+runs chunks and reads a few flags between them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import numbers
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+
+from flexdraft_jax.decoding import ar, parallel, sequential, verify
+from flexdraft_jax.decoding.state import DecodeState, prefill
+from flexdraft_jax.drafter.model import Drafter
+from flexdraft_jax.model import transformer
+from flexdraft_jax.model.config import FlexDraftError
+
+
+@dataclasses.dataclass(frozen=True)
+class SpecOptions:
+  """Speculative-mode knobs (static: each value compiles its own steps)."""
+  theta: float = 0.0
+  strategy: str = "cumulative_product"
+  flex_threshold: object = "auto"   # B*: an int, or "auto"
+  group_buckets: tuple = ()         # () -> 2, 3, 5, 9, … up to bs
+  verify_len: Optional[int] = None  # k: verify at most k - 1 drafts (None: bs)
+  cost_cache: object = "default"    # flex's step-cost file (see flex.cost_cache_path)
+
+  def validate(self):
+    if not isinstance(self.theta, numbers.Real) or not 0.0 <= self.theta <= 1.0:
+      raise FlexDraftError(f"threshold θ must be in [0, 1], got {self.theta}")
+    if self.strategy not in verify.STRATEGIES:
+      raise FlexDraftError(f"strategy must be one of {verify.STRATEGIES}, "
+                           f"got {self.strategy!r}")
+    if self.flex_threshold != "auto" and (
+        not isinstance(self.flex_threshold, int) or self.flex_threshold < 0):
+      raise FlexDraftError(
+          f"flex threshold must be 'auto' or an integer >= 0, got {self.flex_threshold!r}")
+    if self.verify_len is not None and (
+        not isinstance(self.verify_len, int) or self.verify_len < 2):
+      raise FlexDraftError(f"verify_len must be an integer >= 2, got {self.verify_len!r}")
+
+
+def parse_flex_threshold(value, name: str = "flex_threshold"):
+  """B* from a flag or config value: 'auto', or an integer (a string of one)."""
+  if isinstance(value, str) and value != "auto":
+    try:
+      return int(value)
+    except ValueError:
+      raise FlexDraftError(f"{name} must be 'auto' or an integer, got {value!r}") from None
+  return value
+
+
+def group_buckets(bs: int, opts: SpecOptions) -> tuple:
+  """Group counts G that get a compiled parallel step: 2, 3, 5, 9, 17 … capped at bs."""
+  if opts.group_buckets:
+    return tuple(sorted(opts.group_buckets))
+  out, v = [], 1
+  while v < bs - 1:
+    out.append(v + 1)
+    v *= 2
+  out.append(bs)
+  return tuple(sorted(set(out)))
+
+
+@functools.partial(jax.jit, static_argnames=(
+    "cfg", "dcfg", "S", "sp", "out_len", "attn_impl", "cache_sharding"))
+def prefill_batch(target_params, draft_params, prompt_BxP, plen_B, valid_B, key, *,
+             cfg, dcfg, S, sp, max_new, out_len, stop_ids, attn_impl,
+             cache_sharding=None):
+  B = prompt_BxP.shape[0]
+  cache = transformer.KVCache.zeros(
+      cfg, B, S, target_params["embed"].dtype,
+      per_layer=transformer.is_per_layer(target_params))
+  if cache_sharding is not None:
+    cache = jax.lax.with_sharding_constraint(cache, cache_sharding)
+  drafter = None if dcfg is None else Drafter(dcfg, draft_params)
+  return prefill(target_params, cfg, cache, prompt_BxP, plen_B, valid_B, key,
+                 sp=sp, max_new=max_new, out_len=out_len, stop_ids=stop_ids,
+                 drafter=drafter, attn_impl=attn_impl)
+
+
+@functools.partial(jax.jit, donate_argnames=("state",), static_argnames=(
+    "cfg", "dcfg", "mode", "num_groups", "sp", "strategy", "attn_impl", "refresh"))
+def run_chunk(target_params, draft_params, state: DecodeState, *, cfg, dcfg, mode,
+              num_groups, n_steps, sp, max_new, stop_ids, theta, strategy,
+              attn_impl, refresh=False):
+  """Up to `n_steps` steps of one mode in a device loop (stops when all rows are
+  done). `num_groups` is the verify length k: parallel's group count, or the
+  positions of sequential's verify block."""
+  drafter = None if dcfg is None else Drafter(dcfg, draft_params)
+  kw = dict(sp=sp, max_new=max_new, stop_ids=stop_ids, attn_impl=attn_impl)
+  if refresh:  # drafts went stale during AR steps
+    state = verify.refresh_drafts(target_params, cfg, drafter, state, sp=sp,
+                                  attn_impl=attn_impl)
+  if mode == "ar":
+    step = lambda st: ar.ar_step(target_params, cfg, st, **kw)
+  elif mode == "sequential":
+    step = lambda st: sequential.sequential_step(
+        target_params, cfg, drafter, st, verify_len=num_groups, theta=theta,
+        strategy=strategy, **kw)
+  else:
+    step = lambda st: parallel.parallel_step(
+        target_params, cfg, drafter, st, num_groups=num_groups, theta=theta,
+        strategy=strategy, **kw)
+
+  def cond(carry):
+    i, st = carry
+    return (i < n_steps) & ~jnp.all(st.done_B)
+
+  def body(carry):
+    i, st = carry
+    return i + 1, step(st)
+
+  return jax.lax.while_loop(cond, body, (jnp.int32(0), state))[1]
+
+
+@functools.partial(jax.jit, static_argnames=("strategy",))
+def needed_groups(state: DecodeState, *, theta, strategy):
+  """(the verify length selective verification asks for, live rows)."""
+  vlen = verify.selective_vlen(state.conf_BxD, theta, strategy)
+  return jnp.max(jnp.where(state.done_B, 1, vlen)) + 1, jnp.sum(~state.done_B)
+
+
+def verify_buckets(bs: int, opts: SpecOptions) -> tuple:
+  """(k_max, the verify lengths k that get a compiled step, up to k_max)."""
+  k_max = min(opts.verify_len or bs, bs)
+  return k_max, tuple(sorted({g for g in group_buckets(bs, opts) if g <= k_max} | {k_max}))
+
+
+@jax.jit
+def take_rows(state, idx_R):
+  """The state of rows `idx_R` only (per-layer cache arrays are `[B, K, S, D]`)."""
+  batch = lambda x: jnp.take(x, idx_R, axis=0)
+  return state._replace(
+      cache=jax.tree.map(batch, state.cache),
+      length_B=batch(state.length_B), bonus_B=batch(state.bonus_B),
+      drafts_BxD=batch(state.drafts_BxD), conf_BxD=batch(state.conf_BxD),
+      q_BxDxV=batch(state.q_BxDxV), out_BxO=batch(state.out_BxO),
+      n_out_B=batch(state.n_out_B), done_B=batch(state.done_B))

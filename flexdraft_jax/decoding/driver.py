@@ -1,0 +1,164 @@
+"""The host loop of every mode: runs jitted chunks until every row is done,
+moves live rows to a smaller batch as rows finish, and collects the outputs.
+In flex mode it asks `flex.FlexPolicy` for the next (mode, verify length)."""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from flexdraft_jax.decoding import chunk, flex
+from flexdraft_jax.util import round_up
+
+# Once at most half the rows of a batch of at least COMPACT_MIN are live, the
+# live rows move to a smaller batch (a power of two, at least COMPACT_FLOOR),
+# so finished rows stop costing compute.
+COMPACT_MIN, COMPACT_FLOOR = 8, 4
+AR_CHUNK = 32  # AR steps per device loop when the batch can still shrink
+
+
+class Driver:
+  """Runs chunks of jitted steps until every row is done."""
+
+  def __init__(self, target, drafter, mode, opts, static, traced, B, S,
+               steps_per_call=16, mesh=None):
+    self.target, self.drafter, self.mode, self.opts = target, drafter, mode, opts
+    self.static, self.traced, self.B, self.S = static, traced, B, S
+    self.steps_per_call = steps_per_call
+    self.bs = drafter.config.block_size if drafter is not None else 1
+    # Verify lengths k that get a compiled step (parallel: k groups).
+    self.k_max, self.buckets = (chunk.verify_buckets(self.bs, opts) if drafter
+                                else (1, ()))
+    self.policy = (flex.FlexPolicy(target, drafter, opts, self.buckets, self.k_max,
+                                   self._time) if mode == "flex" else None)
+    self.group_counts, self.modes = [], []
+    self.stale_drafts = False
+    self.mesh = mesh
+    self.row_ids = np.arange(B)   # original row of each state row
+    self.outputs = {}             # original row -> tokens, for rows compacted away
+
+  @property
+  def timing_spans(self) -> list:
+    """(start, end) wall time spent timing steps, not decoding."""
+    return self.policy.timing_spans if self.policy else []
+
+  def _chunk(self, state, mode, k, n_steps):
+    refresh = self.stale_drafts and mode != "ar"
+    self.stale_drafts = (self.stale_drafts or mode == "ar") and not refresh
+    return self._call(state, mode, k, n_steps, refresh)
+
+  def _call(self, state, mode, k, n_steps, refresh=False):
+    dparams = None if self.drafter is None else self.drafter.params
+    return chunk.run_chunk(
+        self.target.params, dparams, state, mode=mode, num_groups=k,
+        n_steps=jnp.int32(n_steps), theta=jnp.float32(self.opts.theta),
+        strategy=self.opts.strategy, refresh=refresh, **self.static, **self.traced)
+
+  def _bucket(self, needed: int) -> int:
+    return next((g for g in self.buckets if g >= needed), self.buckets[-1])
+
+  def _needed(self, state):
+    g, live = chunk.needed_groups(state, theta=jnp.float32(self.opts.theta),
+                                  strategy=self.opts.strategy)
+    return int(g), int(live)
+
+  def run(self, state, max_new: int):
+    """Runs to the end; returns the final state (rows in `self.row_ids` order)."""
+    steps = int(state.steps)
+    while True:
+      done = np.asarray(state.done_B)
+      if done.all():
+        return state
+      state = self._maybe_compact(state, done)
+      if self.mode == "ar" or (self.policy and self.policy.sticky_ar(
+          self.modes[-1][0] if self.modes else None)):
+        mode, k = "ar", 0
+      else:
+        groups, live = self._needed(state)
+        mode, k = self._choose(state, live, groups)
+      selective = mode != "ar" and self.opts.theta > 0
+      if mode == "ar":
+        # Plain AR runs exactly as the `ar` mode does: one device loop, or
+        # chunks of AR_CHUNK while compaction can still shrink the batch.
+        n = AR_CHUNK if self.B >= COMPACT_MIN else max_new
+      else:  # with θ > 0 the host picks the bucket every step
+        n = 1 if selective else self.steps_per_call
+      before = np.asarray(state.accept_hist) if self.policy else None
+      state = self._chunk(state, mode, k, n)
+      if self.policy:
+        self.policy.observe(np.asarray(state.accept_hist) - before, mode, k)
+      done_steps, steps = int(state.steps) - steps, int(state.steps)
+      self._record(mode, k, done_steps)
+
+  def _choose(self, state, live: int, groups: int) -> tuple:
+    """(mode, k) for the next chunk; `groups` is what selective verification
+    asks for (k_max at θ = 0)."""
+    k = self._bucket(min(groups, self.k_max)) if self.opts.theta > 0 else self.k_max
+    if self.policy is None:
+      return self.mode, k
+    return self.policy.choose(state, live, k, self.B, self.S)
+
+  def _maybe_compact(self, state, done):
+    live = int((~done).sum())
+    if self.B < COMPACT_MIN or live > self.B // 2:
+      return state
+    new_b = max(COMPACT_FLOOR, 1 << (live - 1).bit_length())
+    if self.mesh is not None:
+      new_b = round_up(new_b, self.mesh.size)
+    if new_b >= self.B:
+      return state
+    order = np.concatenate([np.flatnonzero(~done), np.flatnonzero(done)])
+    keep, leave = order[:new_b], order[new_b:]
+    out, n_out = np.asarray(state.out_BxO), np.asarray(state.n_out_B)
+    for i in leave:
+      self.outputs[int(self.row_ids[i])] = out[i, :n_out[i]].tolist()
+    self.row_ids = self.row_ids[keep]
+    state = chunk.take_rows(state, jnp.asarray(keep, jnp.int32))
+    self.B = new_b
+    if self.policy:
+      self.policy.shape_changed()
+    return state
+
+  def outputs_in_order(self, state, num_rows: int) -> list:
+    """Every original row's tokens (rows compacted away included)."""
+    out, n_out = np.asarray(state.out_BxO), np.asarray(state.n_out_B)
+    found = dict(self.outputs)
+    for i, r in enumerate(self.row_ids):
+      found[int(r)] = out[i, :n_out[i]].tolist()
+    return [found[r] for r in range(num_rows)]
+
+  def _record(self, mode: str, k: int, steps: int):
+    """Run-length log of [mode, steps] and [verify length k, steps]."""
+    for log, key in ((self.modes, mode), (self.group_counts, k)):
+      if key == 0:
+        continue
+      if log and log[-1][0] == key:
+        log[-1][1] += steps
+      else:
+        log.append([key, steps])
+
+  def _time(self, state, mode, k, reps: int = 3) -> float:
+    """Seconds of one full step of (mode, k) on a copy of `state`."""
+    probe = jax.tree.map(lambda x: x.copy(), state)
+
+    def step(st):  # every row live, nothing emitted yet: one full step of work
+      st = st._replace(done_B=jnp.zeros_like(st.done_B), n_out_B=jnp.zeros_like(st.n_out_B))
+      return self._call(st, mode, k, 1)
+
+    for _ in range(2):  # compile + warm
+      probe = step(probe)
+    jax.block_until_ready(probe)
+    t = time.perf_counter()
+    for _ in range(reps):
+      probe = step(probe)
+    jax.block_until_ready(probe)
+    return (time.perf_counter() - t) / reps
+
+  def stats(self) -> dict:
+    out = {"group_counts": self.group_counts, "mode_steps": self.modes}
+    if self.policy:
+      out.update(self.policy.stats())
+    return out
