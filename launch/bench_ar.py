@@ -80,6 +80,8 @@ def bench_hf(model, ids: list, max_new: int, repeats: int, pad_id: int) -> dict:
   import torch
   import transformers
 
+  from flexdraft_jax.decoding.timing import tokens_per_second
+
   class StepClock(transformers.StoppingCriteria):
     """Never stops; records when each new token has been appended."""
 
@@ -111,7 +113,7 @@ def bench_hf(model, ids: list, max_new: int, repeats: int, pad_id: int) -> dict:
   steps = max_new - 1
   dec = statistics.median(secs)
   return {"impl": "hf_transformers", "batch": B, "steps": steps, "decode_seconds_all": secs,
-          "tok_per_s": B * steps / dec, "ms_per_step": 1e3 * dec / steps}
+          "tok_per_s": tokens_per_second(B * steps, dec), "ms_per_step": 1e3 * dec / steps}
 
 
 def main(argv):
