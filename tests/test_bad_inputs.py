@@ -284,6 +284,18 @@ def test_short_help_lists_the_key_flags(command, flags, capsys):
     assert f"  {flag}:" in out, out
 
 
+def test_train_says_where_it_writes_first(bad_files, monkeypatch, capsys):
+  from flexdraft_jax.training import train
+  d, _ = bad_files
+  _no_model(monkeypatch)  # it fails on the data (no anchors) after saying so
+  config = tiny.tiny_config(os.path.join(d, "regen"), seq_len=30, precompute_kv=True)
+  with pytest.raises(fd.FlexDraftError, match="no anchor block"):
+    train.train(config, os.path.join(d, "w"))
+  assert capsys.readouterr().out.splitlines()[0] == (
+      f"train: writing checkpoints, metrics and drafters to {d}/w; the clean K/V cache "
+      f"to {d}/w/deep_kv (--config.train.deep_kv_dir)")
+
+
 def test_tiny_test_config_leaves_every_kept_prompt_an_anchor(capsys):
   c = tiny.tiny_test_config()
   T, bs = c.train.seq_len, c.drafter.block_size
