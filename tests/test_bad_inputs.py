@@ -153,7 +153,7 @@ CASES = [
         "error: --config.data.batch_size must be an integer >= 1, got 0"),
     cli("regenerate", "a prompt file that is missing",
         ["regenerate", f"--config={TINY}", "--config.data.paths.gsm8k={d}/none.jsonl",
-         "--config.data.regen_dir={d}/r"],
+         "--config.data.mix.arena_hard_v01=0", "--config.data.regen_dir={d}/r"],
         "error: prompt file not found: {d}/none.jsonl"),
 ]
 
