@@ -153,7 +153,7 @@ CASES = [
         "error: --config.data.batch_size must be an integer >= 1, got 0"),
     cli("regenerate", "a prompt file that is missing",
         ["regenerate", f"--config={TINY}", "--config.data.paths.gsm8k={d}/none.jsonl",
-         "--config.data.regen_dir={d}/r"],
+         "--config.data.mix.arena_hard_v01=0", "--config.data.regen_dir={d}/r"],
         "error: prompt file not found: {d}/none.jsonl"),
 ]
 
@@ -282,6 +282,18 @@ def test_short_help_lists_the_key_flags(command, flags, capsys):
   out = capsys.readouterr().out
   for flag in flags:
     assert f"  {flag}:" in out, out
+
+
+def test_train_says_where_it_writes_first(bad_files, monkeypatch, capsys):
+  from flexdraft_jax.training import train
+  d, _ = bad_files
+  _no_model(monkeypatch)  # it fails on the data (no anchors) after saying so
+  config = tiny.tiny_config(os.path.join(d, "regen"), seq_len=30, precompute_kv=True)
+  with pytest.raises(fd.FlexDraftError, match="no anchor block"):
+    train.train(config, os.path.join(d, "w"))
+  assert capsys.readouterr().out.splitlines()[0] == (
+      f"train: writing checkpoints, metrics and drafters to {d}/w; the clean K/V cache "
+      f"to {d}/w/deep_kv (--config.train.deep_kv_dir)")
 
 
 def test_tiny_test_config_leaves_every_kept_prompt_an_anchor(capsys):

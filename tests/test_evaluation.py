@@ -255,6 +255,7 @@ def test_sweep_cli_outputs_lossless_and_resumes(tmp_path):
   workdir = str(tmp_path / "eval")
   log = _eval_cli(workdir, str(prompts_file))
   assert "RANDOMLY INITIALISED" in log and "11 cells run, 0 already done" in log
+  assert f"eval: writing results to {os.path.abspath(workdir)} (--workdir)" in log
 
   with open(os.path.join(workdir, "results.json")) as f:
     results = json.load(f)

@@ -445,7 +445,7 @@ def _greedy_reference(t, prompt_ids, max_new):
 
 
 def test_regenerate_cli_answers_greedily_and_resumes(tmp_path, target, fixture_data,
-                                                    monkeypatch):
+                                                    monkeypatch, capsys):
   pytest.importorskip("flexdraft_jax.decoding.engine")
   from flexdraft_jax.training import regenerate
   monkeypatch.setenv("FLEXDRAFT_DATA", fixture_data)  # the config's prompt paths
@@ -458,6 +458,7 @@ def test_regenerate_cli_answers_greedily_and_resumes(tmp_path, target, fixture_d
   with pytest.raises(SystemExit) as e:
     regenerate.run(argv)
   assert e.value.code in (0, None)
+  assert f"regenerate: writing to {regen_dir} (--config.data.regen_dir" in capsys.readouterr().out
   recs = data.load_records(regen_dir)
   assert sorted(r.source for r in recs) == ["gsm8k", "gsm8k", "mbpp", "mbpp"]
   for r in recs[:2]:
