@@ -553,6 +553,15 @@ def test_training_with_a_draft_vocabulary(regen, target, tmp_path):
   assert out.token_ids == ref.token_ids
 
 
+def test_eval_steps_off_the_log_cadence_log_their_training_row(regen, tmp_path):
+  cfg = tiny.tiny_config(regen[0], num_steps=4, eval_every=2)
+  cfg.train.log_every = 3                 # evals at 2 and 4, logs at 3 and 4
+  train.train(cfg, str(tmp_path))
+  rows = {r["step"]: r for r in _read_csv(tmp_path / "metrics.csv")}
+  assert sorted(rows, key=int) == ["2", "3", "4"]
+  assert rows["2"]["eval_tau"] and rows["2"]["loss"] and not rows["3"]["eval_tau"]
+
+
 def test_a_warm_started_run_is_scored_before_its_first_step(regen, target, tmp_path):
   cfg = tiny.tiny_config(regen[0], num_steps=4, eval_every=4)
   first = train.train(cfg, str(tmp_path / "a"))

@@ -472,15 +472,15 @@ def train(config, workdir: str) -> TrainResult:
     meta["tokens_seen"] += int(m["tokens"])
     meta["mask_rows"] += rows_per_step
     done, row = step + 1, {}
-    if done % tc.log_every == 0 or done == end:
+    eval_now = evaluating and (done % tc.eval_every == 0 or done == end)
+    if done % tc.log_every == 0 or done == end or eval_now:
+      # An eval step off the log cadence logs its training row too.
       now = time.perf_counter()
       row = _train_row(m, meta, bs, (done - s_last) / max(now - t_last, 1e-9))
-    if done % tc.log_every == 0 or done == end or (
-        evaluating and done % tc.eval_every == 0):
       row["mask_rows"] = meta["mask_rows"]
       t_last, s_last = now, done
       bar.set_postfix(loss=f"{row['loss']:.3f}", tau=f"{row['tau']:.2f}")
-    if evaluating and (done % tc.eval_every == 0 or done == end):
+    if eval_now:
       ev = _evaluate(eval_step, state.params, target_params, eval_packer, mesh, tc)
       row.update(ev)
       if ev["eval_tau"] > meta["best_tau"]:
