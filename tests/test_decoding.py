@@ -336,8 +336,8 @@ def test_short_verify_length_keeps_accepting_the_same_drafts():
 def _driver(bs=8, verify_len=None):
   drafter = types.SimpleNamespace(config=types.SimpleNamespace(block_size=bs))
   opts = chunk.SpecOptions(verify_len=verify_len)
-  k_max, buckets = chunk.verify_buckets(bs, opts)
-  return flex.FlexPolicy(None, drafter, opts, buckets, k_max, time_step=None)
+  _, buckets = chunk.verify_buckets(bs, opts)
+  return flex.FlexPolicy(None, drafter, opts, buckets, time_step=None)
 
 
 def _conf_state(conf):

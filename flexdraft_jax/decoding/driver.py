@@ -32,8 +32,8 @@ class Driver:
     # Verify lengths k that get a compiled step (parallel: k groups).
     self.k_max, self.buckets = (chunk.verify_buckets(self.bs, opts) if drafter
                                 else (1, ()))
-    self.policy = (flex.FlexPolicy(target, drafter, opts, self.buckets, self.k_max,
-                                   self._time) if mode == "flex" else None)
+    self.policy = (flex.FlexPolicy(target, drafter, opts, self.buckets, self._time)
+                   if mode == "flex" else None)
     self.group_counts, self.modes = [], []
     self.stale_drafts = False
     self.mesh = mesh

@@ -55,9 +55,9 @@ class FlexPolicy:
   `state` and returns its seconds (the driver owns the jitted chunk).
   """
 
-  def __init__(self, target, drafter, opts, buckets, k_max, time_step):
+  def __init__(self, target, drafter, opts, buckets, time_step):
     self.target, self.drafter, self.opts = target, drafter, opts
-    self.buckets, self.k_max, self.time_step = buckets, k_max, time_step
+    self.buckets, self.time_step = buckets, time_step
     bs = drafter.config.block_size
     self.costs = None              # step costs at the current batch shape
     self.cost_path = cost_cache_path(getattr(opts, "cost_cache", "default"))
