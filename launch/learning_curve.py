@@ -6,7 +6,7 @@
 Reads the eval rows of one or more training runs' metrics.csv (a run that
 warm-started from another's drafter continues its `mask_rows`), plots offline
 τ and slot 1..4 top-1 accuracy against mask rows on a log axis (OUT.png) and
-writes OUT.md: the table and a log-linear fit of τ over the later half of the
+writes OUT.md: the table (`--compare` overlays earlier runs' τ) and a log-linear fit of τ over the later half of the
 points, with the mask rows it predicts for τ = 3, 4, 5 (an extrapolation, not a
 promise: such curves bend).
 """
@@ -23,6 +23,9 @@ FLAGS = flags.FLAGS
 flags.DEFINE_list("metrics", [], "metrics.csv files, oldest run first")
 flags.DEFINE_string("out", "docs/results/learning_curve", "output path without suffix")
 flags.DEFINE_string("title", "SmolLM2-135M drafter", "plot title")
+flags.DEFINE_string("label", "held-out τ", "legend label of --metrics' τ curve")
+flags.DEFINE_list("compare", [], "earlier runs' τ curves to overlay: LABEL=metrics.csv "
+                  "(LABEL=a.csv+b.csv for a warm-started continuation)")
 
 
 def eval_points(paths) -> list:
@@ -58,7 +61,11 @@ def main(argv):
     raise SystemExit("no eval rows with mask_rows in " + ", ".join(FLAGS.metrics))
   rows = np.array([p[0] for p in points])
   fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-  ax1.plot(rows, [p[1] for p in points], "o-", label="held-out τ")
+  ax1.plot(rows, [p[1] for p in points], "o-", label=FLAGS.label)
+  for spec in FLAGS.compare:
+    label, _, paths = spec.partition("=")
+    other = eval_points(paths.split("+"))
+    ax1.plot([p[0] for p in other], [p[1] for p in other], "s:", alpha=0.7, label=label)
   line = fit(points)
   if line and line[1] > 0:
     xs = np.logspace(np.log10(rows[0]), np.log10(rows[-1]) + 1, 50)

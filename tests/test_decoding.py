@@ -4,6 +4,7 @@ import json
 import types
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -334,7 +335,7 @@ def test_short_verify_length_keeps_accepting_the_same_drafts():
 
 
 def _driver(bs=8, verify_len=None):
-  drafter = types.SimpleNamespace(config=types.SimpleNamespace(block_size=bs))
+  drafter = types.SimpleNamespace(config=types.SimpleNamespace(block_size=bs, bonus_input=False))
   opts = chunk.SpecOptions(verify_len=verify_len)
   _, buckets = chunk.verify_buckets(bs, opts)
   return flex.FlexPolicy(None, drafter, opts, buckets, time_step=None)
@@ -417,3 +418,50 @@ def test_tokens_per_second_leaves_out_compiling_and_flex_step_timing(target, mon
   # and timing the steps took many times the decode itself)
   assert cold["compile_seconds"] + cold["flex_timing_seconds"] > 3 * cold["decode_seconds"]
   assert cold["tokens_per_second"] > warm["tokens_per_second"] / 4
+
+
+def bonus_drafter(target, block_size=4):
+  """A random drafter that reads the bonus at slot 0 (a large `bonus_in`)."""
+  import dataclasses
+  d = random_drafter(target, block_size=block_size, noise=0.5)
+  H = target.config.hidden_size
+  dcfg = dataclasses.replace(d.config, bonus_input=True)
+  w = 3.0 * jax.random.normal(jax.random.PRNGKey(5), (H, H)) / np.sqrt(H)
+  return d._replace(config=dcfg, params=dict(d.params, bonus_in=w))
+
+
+def test_a_drafter_reading_the_bonus_decodes_losslessly_without_parallel(
+    target, cost_cache, monkeypatch):
+  prompts = prompts_for(3, seed=9)
+  drafter = bonus_drafter(target)
+  ref = fd.generate(target, prompts, max_new_tokens=30)
+  timed = []
+  real = driver.Driver._time
+  monkeypatch.setattr(driver.Driver, "_time",
+                      lambda self, *a, **kw: timed.append(a[1]) or real(self, *a, **kw))
+  runs = [dict(mode="sequential"), dict(mode="sequential", threshold=0.3),
+          dict(mode="sequential", verify_len=2), dict(mode="flex"),
+          dict(mode="flex", flex_threshold=8)]
+  for kw in runs:
+    out = fd.generate(target, prompts, max_new_tokens=30, drafter=drafter, **kw)
+    assert_lossless(target, prompts, ref.token_ids, out.token_ids)
+    assert "parallel" not in {m for m, _ in out.stats["mode_steps"]}
+  assert "parallel" not in timed and "sequential" in timed   # flex never considers it
+  with pytest.raises(fd.FlexDraftError, match="bonus_input"):
+    fd.generate(target, prompts, max_new_tokens=4, drafter=drafter, mode="parallel")
+  # prefill's drafts come after t0 and read it: without it (bonus_in = 0) they differ
+  from flexdraft_jax.decoding import state as state_lib
+  from flexdraft_jax.decoding.sampling import SamplingParams
+  plain = drafter._replace(params=dict(drafter.params,
+                                       bonus_in=0 * drafter.params["bonus_in"]))
+
+  def first_drafts(d):
+    cfg = target.config
+    cache = transformer.KVCache.zeros(cfg, 1, 32, jnp.float32)
+    st = state_lib.prefill(target.params, cfg, cache, jnp.array([[5, 9, 12, 7]]),
+                           jnp.array([4]), jnp.array([True]), jax.random.PRNGKey(0),
+                           sp=SamplingParams(), max_new=8, out_len=8, stop_ids=jnp.array([-1]),
+                           drafter=d)
+    return np.asarray(st.drafts_BxD)
+
+  assert not np.array_equal(first_drafts(drafter), first_drafts(plain))

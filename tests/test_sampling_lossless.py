@@ -135,3 +135,17 @@ def test_a_wrong_acceptance_rule_fails():
                        capture_output=True, text=True, timeout=900)
   assert out.returncode == 0, out.stderr[-2000:]
   assert float(out.stdout.split("pvalue")[-1]) < 1e-6
+
+
+@pytest.mark.parametrize("kw", [{}, {"draft_sampling": True}])
+def test_a_drafter_reading_the_bonus_samples_the_target_distribution(setup, kw):
+  # bonus_input: drafts come from a deep-only pass after the bonus is sampled.
+  import dataclasses
+  target, drafter, exact = setup
+  H = target.config.hidden_size
+  w = 2.0 * jax.random.normal(jax.random.PRNGKey(3), (H, H)) / np.sqrt(H)
+  reading = drafter._replace(config=dataclasses.replace(drafter.config, bonus_input=True),
+                             params=dict(drafter.params, bonus_in=w))
+  r = _sample(target, reading, "sequential", **kw)
+  assert r.stats["tau"] > 1.08, r.stats["tau"]
+  assert _chi2_pvalue(r.token_ids, exact) > 1e-3

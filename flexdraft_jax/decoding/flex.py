@@ -58,6 +58,9 @@ class FlexPolicy:
   def __init__(self, target, drafter, opts, buckets, time_step):
     self.target, self.drafter, self.opts = target, drafter, opts
     self.buckets, self.time_step = buckets, time_step
+    # A drafter that reads the bonus cannot draft in the verify forward.
+    self.modes = (("sequential",) if drafter.config.bonus_input
+                  else ("sequential", "parallel"))
     bs = drafter.config.block_size
     self.costs = None              # step costs at the current batch shape
     self.cost_path = cost_cache_path(getattr(opts, "cost_cache", "default"))
@@ -95,7 +98,8 @@ class FlexPolicy:
     """(mode, k) for the next chunk at batch B (`live` rows live); `k` is the
     verify length the options ask for."""
     if self.opts.flex_threshold != "auto":
-      return ("parallel" if live <= self.opts.flex_threshold else "sequential"), k
+      small = live <= self.opts.flex_threshold and "parallel" in self.modes
+      return ("parallel" if small else "sequential"), k
     if self.costs is None:
       self.costs = self.measured[str(B)] = self.measure(state, B, S)
     rates = self.predicted_rates(state)
@@ -108,7 +112,7 @@ class FlexPolicy:
     """{(mode, k): predicted tokens per second per row} for AR and every bucket."""
     tau = self.tau_by_length(state)
     rates = {("ar", 0): 1.0 / self.costs["ar"]}
-    for mode in ("sequential", "parallel"):
+    for mode in self.modes:
       for k in self.buckets:
         rates[(mode, k)] = tau[k] / self.costs[mode][str(k)]
     return rates
@@ -135,7 +139,7 @@ class FlexPolicy:
     return "|".join(map(str, (
         self.target.fingerprint, dev.platform, dev.device_kind, len(jax.devices()),
         jax.__version__, B, S, d.block_size, d.num_layers, d.draft_vocab,
-        self.opts.theta > 0, self.buckets)))
+        self.opts.theta > 0, self.buckets, self.modes)))
 
   def measure(self, state, B: int, S: int) -> dict:
     """Seconds per step at this batch shape: AR, and each speculative mode at
@@ -146,7 +150,7 @@ class FlexPolicy:
       return table[key]
     start = time.time()
     ends = sorted({self.buckets[0], self.buckets[-1]})
-    plan = [("ar", 0)] + [(m, k) for m in ("sequential", "parallel") for k in ends]
+    plan = [("ar", 0)] + [(m, k) for m in self.modes for k in ends]
     where = self.cost_path or "memory only"
     print(f"flex: timing {len(plan)} step variants at batch {B} once (kept in "
           f"{where})", file=sys.stderr, flush=True)
@@ -156,7 +160,7 @@ class FlexPolicy:
                              disable=len(plan) < 4 or not sys.stderr.isatty()):
       timed[(mode, k)] = self.time_step(state, mode, k)
     costs = {"ar": timed[("ar", 0)], "measured_k": ends}
-    for mode in ("sequential", "parallel"):
+    for mode in self.modes:
       xs = np.array(ends, float)
       ys = np.array([timed[(mode, k)] for k in ends])
       costs[mode] = {str(k): float(np.interp(k, xs, ys)) for k in self.buckets}

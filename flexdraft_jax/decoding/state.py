@@ -82,13 +82,16 @@ def draft_tokens(target_params, cfg, drafter, hm_BxbsxH, bonus_B, sp: SamplingPa
   return drafts, probs_max, q
 
 
-def mask_block(start_B, limit_B, num_groups: int, bs: int):
-  """MaskRows for `num_groups` groups; group g at start+g .. start+g+bs-1, limit+g."""
+def mask_block(start_B, limit_B, num_groups: int, bs: int, bonus_B=None):
+  """MaskRows for `num_groups` groups; group g at start+g .. start+g+bs-1, limit+g.
+  `bonus_B`: the bonus every group drafts after (one group; read by a drafter
+  with `bonus_input`)."""
   g_M = jnp.repeat(jnp.arange(num_groups, dtype=jnp.int32), bs)
   j_M = jnp.tile(jnp.arange(bs, dtype=jnp.int32), num_groups)
   pos = start_B[:, None] + g_M[None, :] + j_M[None, :]
   limit = limit_B[:, None] + g_M[None, :]
-  return transformer.MaskRows(pos_BxM=pos, limit_BxM=limit, group_M=g_M)
+  bonus = None if bonus_B is None else jnp.broadcast_to(bonus_B[:, None], pos.shape)
+  return transformer.MaskRows(pos_BxM=pos, limit_BxM=limit, group_M=g_M, bonus_BxM=bonus)
 
 
 def prefill(target_params, cfg, cache, prompt_BxP, plen_B, valid_B, key, *,
@@ -99,17 +102,25 @@ def prefill(target_params, cfg, cache, prompt_BxP, plen_B, valid_B, key, *,
   B, P = prompt_BxP.shape
   pos = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P))
   masks, L, bs = None, 0, 1
+  # A drafter that reads the bonus drafts after t0 is known: a deep-layers-only
+  # pass below, as in sequential mode.
+  joint = drafter is not None and not drafter.config.bonus_input
   if drafter is not None:
-    bs, L = drafter.config.block_size, drafter.config.num_layers
+    bs = drafter.config.block_size
+  if joint:
+    L = drafter.config.num_layers
     masks = mask_block(plen_B, plen_B - 1, 1, bs)
   h, hm, cache = transformer.forward(
       target_params, cfg, cache, prompt_BxP, pos,
-      draft=None if drafter is None else drafter.params, masks=masks,
+      draft=drafter.params if joint else None, masks=masks,
       num_draft_layers=L, attn_impl=attn_impl, kv_block=KV_BLOCK)
   h_last = jnp.take_along_axis(h, (plen_B - 1)[:, None, None], axis=1)
   key, sub, sub_draft = jax.random.split(key, 3)
   t0 = sample(transformer.logits(target_params, cfg, h_last)[:, 0], sub, sp)
-  if drafter is not None:
+  if joint:
+    drafts, conf, q = draft_tokens(target_params, cfg, drafter, hm, t0, sp, sub_draft)
+  elif drafter is not None:
+    hm = deep_pass(target_params, cfg, drafter, cache, plen_B, t0, attn_impl)
     drafts, conf, q = draft_tokens(target_params, cfg, drafter, hm, t0, sp, sub_draft)
   else:
     drafts, conf = jnp.zeros((B, 0), jnp.int32), jnp.zeros((B, 0), jnp.float32)
@@ -123,3 +134,15 @@ def prefill(target_params, cfg, cache, prompt_BxP, plen_B, valid_B, key, *,
   out, n_out, done, _ = emit(state, t0[:, None], jnp.ones((B,), jnp.int32),
                              max_new, stop_ids)
   return state._replace(out_BxO=out, n_out_B=n_out, done_B=done)
+
+
+def deep_pass(target_params, cfg, drafter, cache, length_B, bonus_B, attn_impl):
+  """One mask group on the bonus's position (`length_B`) through the deep
+  layers only: its hidden states `[B, bs, H]`."""
+  masks = mask_block(length_B, length_B - 1, 1, drafter.config.block_size,
+                     bonus_B=bonus_B)
+  _, hm, _ = transformer.forward(target_params, cfg, cache, None, None,
+                                 draft=drafter.params, masks=masks,
+                                 num_draft_layers=drafter.config.num_layers,
+                                 attn_impl=attn_impl, kv_block=KV_BLOCK)
+  return hm

@@ -7,8 +7,8 @@ import jax.numpy as jnp
 
 from flexdraft_jax.decoding.sampling import SamplingParams, sample
 from flexdraft_jax.decoding.sampling import processed_logits
-from flexdraft_jax.decoding.state import (DRAFT_KEY_OFFSET, KV_BLOCK, DecodeState,
-                                         draft_tokens, emit, mask_block)
+from flexdraft_jax.decoding.state import (DRAFT_KEY_OFFSET, DecodeState, deep_pass,
+                                         draft_tokens, emit)
 from flexdraft_jax.model import transformer
 
 STRATEGIES = ("cumulative_product", "min_confidence")
@@ -104,9 +104,6 @@ def set_drafts(target_params, cfg, drafter, state: DecodeState, hm_BxbsxH,
 def refresh_drafts(target_params, cfg, drafter, state: DecodeState, *,
                    sp: SamplingParams, attn_impl: str = "xla") -> DecodeState:
   """One mask group on the bonus's position through the deep layers only."""
-  bs, L = drafter.config.block_size, drafter.config.num_layers
-  masks = mask_block(state.length_B, state.length_B - 1, 1, bs)
-  _, hm, _ = transformer.forward(target_params, cfg, state.cache, None, None,
-                                 draft=drafter.params, masks=masks,
-                                 num_draft_layers=L, attn_impl=attn_impl, kv_block=KV_BLOCK)
+  hm = deep_pass(target_params, cfg, drafter, state.cache, state.length_B,
+                 state.bonus_B, attn_impl)
   return set_drafts(target_params, cfg, drafter, state, hm, state, sp)

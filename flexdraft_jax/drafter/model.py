@@ -24,6 +24,10 @@ class DrafterConfig:
   # draft head is those rows of the LM head and calibration outputs K logits.
   draft_vocab: int = 0
   per_slot_mask: bool = False  # a learned mask vector per block slot ([bs, H]).
+  # Slot 0 (on the bonus's position) enters the deep layers as the mask plus
+  # `embed(bonus) @ bonus_in` (SPEC §7): every slot can attend to the bonus.
+  # Needs the bonus before drafting: sequential mode only.
+  bonus_input: bool = False
 
   def validate(self, cfg: ModelConfig):
     if not 1 <= self.num_layers <= cfg.num_layers:
@@ -73,6 +77,8 @@ def init_draft_params(target_params, cfg: ModelConfig, dcfg: DrafterConfig,
           "b2": jnp.zeros((out,), dtype),
       },
   }
+  if dcfg.bonus_input:  # zero: starts as the plain mask
+    params["bonus_in"] = jnp.zeros((H, H), dtype)
   if dcfg.draft_vocab:
     params["vocab"] = check_vocab(vocab, dcfg.draft_vocab, cfg.vocab_size)
   return params

@@ -162,6 +162,17 @@ def load_main_drafter(config, target) -> tuple:
       "id": f"random:{dcfg.num_layers}:{dcfg.block_size}:{dcfg.calib_rank}:{rd.seed}"}
 
 
+NO_PARALLEL = ("skipped: parallel mode drafts before the bonus is known and this "
+               "drafter reads it (bonus_input)")
+
+
+def runnable(cell: Cell, drafters: dict) -> bool:
+  """False for a parallel cell of a drafter that reads the bonus (bonus_input)."""
+  if cell.mode == "ar" or MODES[cell.mode][0] != "parallel":
+    return True
+  return not drafters[cell.drafter].config.bonus_input
+
+
 def make_cell(dataset, batch_size, mode, temperature, theta, drafter="main") -> Cell:
   if mode == "ar":
     return Cell(dataset, batch_size, "ar", temperature)
@@ -391,7 +402,12 @@ def run_sweep(config, workdir: str, *, prompts: Optional[dict] = None, target=No
     print(f"\n{'!' * 78}\n!! {info['note']}\n{'!' * 78}\n", file=sys.stderr, flush=True)
   abl, extra = ablation_rows(config, target, drafter)
   drafters = {"main": drafter, **extra}
+  abl = [dict(r, cells=[], note=NO_PARALLEL) if not all(
+      runnable(c, drafters) for c in r["cells"]) else r for r in abl]
   cells = plan_cells(config, abl)
+  if not all(runnable(c, drafters) for c in cells):
+    print(f"eval: parallel cells skipped: {NO_PARALLEL}", file=sys.stderr, flush=True)
+    cells = [c for c in cells if runnable(c, drafters)]
   prompts_by_ds = {ds: early_prompts[ds] for ds in sorted({c.dataset for c in cells})}
   block = max(d.config.block_size for d in drafters.values())
   ctx = Context(config, target, drafters, prompts_by_ds,

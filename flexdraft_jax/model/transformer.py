@@ -54,24 +54,35 @@ class MaskRows(NamedTuple):
   """Mask-token rows joining at the split layer (SPEC §2).
 
   pos_BxM: RoPE position of each mask row; limit_BxM: last cache slot it may
-  see; group_M: its group id (rows of one group attend to each other).
+  see; group_M: its group id (rows of one group attend to each other);
+  bonus_BxM: the bonus token of each row's group, for a drafter that reads it
+  at slot 0 (`bonus_in`), else None.
   """
   pos_BxM: jax.Array
   limit_BxM: jax.Array
   group_M: jax.Array
+  bonus_BxM: Optional[jax.Array] = None
 
 
-def mask_input(draft, masks: MaskRows, dtype):
+def mask_input(params, draft, masks: MaskRows, dtype):
   """Mask rows' hidden states at the split layer: the learned mask vector `[H]`,
   or per-slot vectors `[bs, H]`: row m gets the vector of its slot, its index
-  within its group (groups are contiguous runs of `group_M`, in order)."""
+  within its group (groups are contiguous runs of `group_M`, in order). A
+  drafter with `bonus_in` adds `embed(bonus) @ bonus_in` at slot 0."""
   B, M = masks.pos_BxM.shape
+  group = masks.group_M.astype(jnp.int32)
+  slot = jnp.arange(M) - jnp.searchsorted(group, group, side="left")
   mask = draft["mask"].astype(dtype)
   if mask.ndim == 2:
-    group = masks.group_M.astype(jnp.int32)
-    slot = jnp.arange(M) - jnp.searchsorted(group, group, side="left")
     mask = mask[jnp.minimum(slot, mask.shape[0] - 1)]
-  return jnp.broadcast_to(mask, (B, M, mask.shape[-1]))
+  hm = jnp.broadcast_to(mask, (B, M, mask.shape[-1]))
+  if "bonus_in" not in draft:
+    return hm
+  if masks.bonus_BxM is None:
+    raise ValueError("this drafter reads the bonus at slot 0 (bonus_in): the mask "
+                     "rows need bonus_BxM")
+  e = embed(params, masks.bonus_BxM).astype(dtype) @ draft["bonus_in"].astype(dtype)
+  return hm + jnp.where((slot == 0)[None, :, None], e, 0).astype(dtype)
 
 
 def rms_norm(x, w, eps):
@@ -257,7 +268,7 @@ def forward(params, cfg: ModelConfig, cache: KVCache,
     hm = None
     for i in range(0 if clean else s, n):
       if i == s and masks is not None:
-        hm = mask_input(draft, masks, h.dtype)
+        hm = mask_input(params, draft, masks, h.dtype)
       dp = _layer(draft["layers"], i - s) if hm is not None else None
       h, hm, ck[i], cv[i] = step(lp=params["layers"][i], dp=dp, h_BxTxH=h, hm_BxMxH=hm,
                                  ck=ck[i], cv=cv[i], layer=None)
@@ -289,7 +300,7 @@ def forward(params, cfg: ModelConfig, cache: KVCache,
                          h_BxTxH=h, hm_BxMxH=hm, ck=ck, cv=cv, layer=i - offset)
     return (h, hm, ck, cv), None
 
-  hm = mask_input(draft, masks, h.dtype)
+  hm = mask_input(params, draft, masks, h.dtype)
   (h, hm, ck, cv), _ = jax.lax.scan(deep, (h, hm, ck, cv), jnp.arange(s, n))
   return (h if clean else None), hm, KVCache(ck, cv)
 

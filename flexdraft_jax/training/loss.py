@@ -88,6 +88,9 @@ def loss_sums(draft_params, target_params, cfg: ModelConfig, dcfg: DrafterConfig
   else:
     h_clean, cache = clean_pass(target_params, cfg, tokens, attn_impl=attn_impl)
   masks = mask_rows(anchor, bs)
+  bonus_B_K = jnp.take_along_axis(tokens, jnp.minimum(anchor + 1, T - 1), axis=1)
+  if dcfg.bonus_input:
+    masks = masks._replace(bonus_BxM=jnp.repeat(bonus_B_K, bs, axis=1))
   _, hm, _ = transformer.forward(target_params, cfg, cache, None, None,
                                  draft=draft, masks=masks,
                                  num_draft_layers=dcfg.num_layers,
@@ -97,8 +100,7 @@ def loss_sums(draft_params, target_params, cfg: ModelConfig, dcfg: DrafterConfig
   S = bs - 1
   hm = hm.reshape(B, K, bs, -1)[:, :, 1:].reshape(B, K * S, -1)
   pos_BxKxS = masks.pos_BxM.reshape(B, K, bs)[:, :, 1:]
-  bonus_BxM = jnp.repeat(jnp.take_along_axis(tokens, jnp.minimum(anchor + 1, T - 1),
-                                             axis=1), S, axis=1)
+  bonus_BxM = jnp.repeat(bonus_B_K, S, axis=1)
   logits = draft_logits(target_params, cfg, Drafter(dcfg, draft), hm, bonus_BxM)
   logits_BxKxSxV = logits.reshape(B, K, S, -1)
   label_BxKxS = jnp.take_along_axis(

@@ -362,6 +362,8 @@ def warm_start(params, source: Drafter, cfg, dcfg) -> dict:
                          f"{out['layers']['q'].shape}")
   out["layers"] = jax.tree.map(np.asarray, src["layers"])
   out["mask"] = np.broadcast_to(np.asarray(src["mask"]), out["mask"].shape).copy()
+  if "bonus_in" in src and "bonus_in" in out:
+    out["bonus_in"] = np.asarray(src["bonus_in"])
   for k in ("w1", "b1"):
     out["calib"][k] = np.asarray(src["calib"][k])
   w2, b2 = np.asarray(src["calib"]["w2"]), np.asarray(src["calib"]["b2"])
