@@ -27,15 +27,18 @@ FLAGS = flags.FLAGS
 flags.DEFINE_integer("rows", 49152, "mask rows per variant")
 flags.DEFINE_string("runs", "runs/ab", "one workdir per variant under this")
 flags.DEFINE_string("deep_kv_dir", "", "shared clean K/V cache (train.deep_kv_dir)")
+flags.DEFINE_string("regen_dir", "", "regenerated answers (data.regen_dir): pin a "
+                    "snapshot while regenerate adds to the usual one")
 flags.DEFINE_string("out", "docs/results/recipe_ab.md", "markdown table")
 flags.DEFINE_list("only", [], "run only these variants")
 
 BASE = {"drafter.block_size": 16, "train.gamma": 7.0, "drafter.per_slot_mask": False,
         "drafter.draft_vocab": 8192, "train.batch_size": 8, "train.anchors_per_seq": 4,
-        "train.lr": 1e-3}
+        "train.lr": 1e-3, "drafter.bonus_input": False}
 # name -> (what changes, overrides on top of BASE)
 VARIANTS = {
-    "base": ("bs 16, γ 7, one mask vector, K 8192, 8 seq × 4 anchors, lr 1e-3", {}),
+    "base": ("bs 16, γ 7, one mask vector, K 8192, 8 seq × 4 anchors, lr 1e-3, "
+             "no bonus input", {}),
     "bs8": ("block size 8", {"drafter.block_size": 8}),
     "per_slot": ("per-slot mask embeddings", {"drafter.per_slot_mask": True}),
     "gamma3": ("γ 3", {"train.gamma": 3.0}),
@@ -45,6 +48,8 @@ VARIANTS = {
     "lr3e-3": ("lr 3e-3", {"train.lr": 3e-3}),
     "math_code_x2": ("GSM8K and MBPP answers twice an epoch",
                      {"data.source_weights.gsm8k": 2, "data.source_weights.mbpp": 2}),
+    "bs8_bonus": ("block size 8, slot 0 reads the bonus (bonus_input)",
+                  {"drafter.block_size": 8, "drafter.bonus_input": True}),
 }
 EVAL = {"train.num_eval": 64, "train.eval_anchors": 16, "train.eval_batch_size": 8}
 
@@ -58,6 +63,8 @@ def overrides(name: str) -> dict:
                     "train.log_every": max(1, steps // 10)})
   if FLAGS.deep_kv_dir:
     o["train.deep_kv_dir"] = FLAGS.deep_kv_dir
+  if FLAGS.regen_dir:
+    o["data.regen_dir"] = FLAGS.regen_dir
   return o
 
 
