@@ -107,6 +107,10 @@ CASES = [
     api("`draft_sampling=True` at T=0 (FlexDraftWarning)", dict(draft_sampling=True),
         "draft_sampling has no effect at temperature 0 (greedy decoding drafts and keeps "
         "the argmax)", warning=True),
+    api("`mode=\"parallel\"` with a drafter that reads the bonus (`bonus_input`)",
+        dict(mode="parallel", drafter=lambda target: _bonus_drafter(target)),
+        "mode 'parallel' drafts in the verify forward, before the bonus is known, and "
+        "this drafter reads the bonus (bonus_input): use 'sequential' or 'flex'"),
     # -------------------------------------------------------------- train ----
     cli("train", "`--workdir` under a file",
         ["train", f"--config={TINY}", "--workdir", "{d}/afile/run"],
@@ -156,6 +160,14 @@ CASES = [
          "--config.data.mix.arena_hard_v01=0", "--config.data.regen_dir={d}/r"],
         "error: prompt file not found: {d}/none.jsonl"),
 ]
+
+
+def _bonus_drafter(target):
+  from flexdraft_jax.drafter.model import Drafter, DrafterConfig, init_draft_params
+  import jax
+  dcfg = DrafterConfig(num_layers=1, block_size=4, calib_rank=8, bonus_input=True)
+  params = init_draft_params(target.params, target.config, dcfg, jax.random.PRNGKey(0))
+  return Drafter(dcfg, params, target.fingerprint)
 
 
 def _id(case) -> str:
@@ -222,7 +234,7 @@ def test_cli_bad_input_prints_one_line(case, bad_files, monkeypatch, capsys):
 @pytest.mark.parametrize("case", [c for c in CASES if "call" in c], ids=_id)
 def test_generate_bad_input_is_one_line(case):
   target = tiny.tiny_target()
-  kw = dict(case["call"])
+  kw = {k: v(target) if callable(v) else v for k, v in case["call"].items()}
   prompts = kw.pop("prompts", [[3, 4, 5]])
   if case["warning"]:
     with pytest.warns(fd.FlexDraftWarning) as rec:
