@@ -10,7 +10,7 @@ shipped drafter (a warm start with a fresh optimizer):
 
 L=4 of 30 layers, block size 8, calibration rank 256 over an 8,192-token draft
 vocabulary, slot 0 reading the bonus (`bonus_input`: sequential and flex
-decoding; parallel mode refuses it): a 6.4 M-parameter drafter (13 MB in bf16).
+decoding; parallel mode refuses it): a 6.3 M-parameter drafter (12.6 MB in bf16).
 The recipe (block size, learning rate, anchors, vocabulary, mask embedding,
 bonus input) was chosen by the A/B in docs/results/recipe_ab.md; the clean
 pass over the data runs once (train.precompute_kv; ~6 GB memory-mapped under
