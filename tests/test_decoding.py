@@ -364,6 +364,61 @@ def test_tau_by_length_from_counts_and_confidence():
   assert _driver(verify_len=5).buckets == (2, 3, 5)
 
 
+def test_flex_corrects_step_costs_with_what_chunks_took():
+  d = _driver()
+  d.costs = {"ar": 1.0, "sequential": {str(k): 1.0 + 0.1 * k for k in d.buckets},
+             "parallel": {str(k): 1.0 + 0.1 * k for k in d.buckets}}
+  state = _conf_state([0.9] * 7)
+  mode, k = d.choose(state, 1, 8, B=1, S=64)
+  assert mode != "ar"
+  hist = np.zeros(9, np.int64)
+  hist[1] = 16  # 16 row-steps, one token each
+  # The first chunk of a variant may include compiling: it does not count.
+  d.observe(hist, mode, k, B=1, steps=16, seconds=1000.0)
+  assert d.cost_scale(1, mode) == 1.0
+  # Then the chunks take 3x what the measured cost predicted: flex falls back.
+  d.observe(hist, mode, k, B=1, steps=16, seconds=3 * 16 * d.costs[mode][str(k)])
+  assert d.cost_scale(1, mode) == pytest.approx(3.0)
+  assert d.choose(state, 1, 8, B=1, S=64) == ("ar", 0)
+  why = d.stats()["flex_choices"]["1"]
+  assert why["measured_tokens_per_s"] == {f"{mode}:{k}": pytest.approx(16 / 3 / (
+      16 * d.costs[mode][str(k)]), abs=0.01)}
+  assert why["cost_scale"][mode] == pytest.approx(3.0)
+  # Other batch shapes keep their own corrections.
+  assert d.cost_scale(4, mode) == 1.0
+
+
+def test_flex_needs_a_margin_over_ar():
+  d = _driver(verify_len=2)
+  d.modes = ("sequential",)
+  d.costs = {"ar": 1.0, "sequential": {"2": 1.0}}
+  # τ(2) = 1 + slot 1's confidence: just under the margin, then just over it
+  state = _conf_state([flex.AR_MARGIN - 1.01] + [0.5] * 6)
+  assert d.choose(state, 1, 2, B=1, S=64) == ("ar", 0)
+  state = _conf_state([flex.AR_MARGIN - 0.99] + [0.5] * 6)
+  assert d.choose(state, 1, 2, B=1, S=64) == ("sequential", 2)
+
+
+def test_flex_falls_back_to_ar_when_speculation_is_slower_than_timed(
+    target, cost_cache, monkeypatch):
+  def measure(self, state, B, S):  # sequential "timed" at half of AR: it starts there
+    cost = {"sequential": 0.5e-6, "parallel": 100.0}  # a real step takes ~1 ms
+    return {"ar": 1e-6, **{m: {str(k): cost[m] for k in self.buckets} for m in self.modes}}
+  monkeypatch.setattr(flex.FlexPolicy, "measure", measure)
+  prompts = prompts_for(1, seed=11)
+  drafter = random_drafter(target, block_size=4, noise=0.5)
+  ref = fd.generate(target, prompts, max_new_tokens=80)
+  out = fd.generate(target, prompts, max_new_tokens=80, drafter=drafter, mode="flex",
+                    verify_len=2)  # one bucket: its first chunk is the only untimed one
+  assert_lossless(target, prompts, ref.token_ids, out.token_ids)
+  # two chunks of speculation (the first may compile, so only the second is
+  # timed), then AR to the end: the real steps cost far more than 1 µs.
+  assert [m for m, _ in out.stats["mode_steps"]] == ["sequential", "ar"]
+  assert out.stats["mode_steps"][0][1] == 32
+  (why,) = out.stats["flex_choices"].values()
+  assert why["choice"] == ["ar", 0] and why["cost_scale"]["sequential"] > 100
+
+
 def test_step_cost_cache_location_and_failures(target, tmp_path, monkeypatch):
   monkeypatch.delenv("FLEXDRAFT_COST_CACHE", raising=False)
   monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))

@@ -45,8 +45,12 @@ class Driver:
     """(start, end) wall time spent timing steps, not decoding."""
     return self.policy.timing_spans if self.policy else []
 
+  def _refreshes(self, mode) -> bool:
+    """Whether a chunk of `mode` now first refreshes drafts gone stale in AR."""
+    return self.stale_drafts and mode != "ar"
+
   def _chunk(self, state, mode, k, n_steps):
-    refresh = self.stale_drafts and mode != "ar"
+    refresh = self._refreshes(mode)
     self.stale_drafts = (self.stale_drafts or mode == "ar") and not refresh
     return self._call(state, mode, k, n_steps, refresh)
 
@@ -87,10 +91,14 @@ class Driver:
       else:  # with θ > 0 the host picks the bucket every step
         n = 1 if selective else self.steps_per_call
       before = np.asarray(state.accept_hist) if self.policy else None
+      start, refresh = time.perf_counter(), self._refreshes(mode)
       state = self._chunk(state, mode, k, n)
+      done_steps, steps = int(state.steps) - steps, int(state.steps)  # waits for it
       if self.policy:
-        self.policy.observe(np.asarray(state.accept_hist) - before, mode, k)
-      done_steps, steps = int(state.steps) - steps, int(state.steps)
+        # A chunk that also refreshed stale drafts is not a plain (mode, k) step.
+        self.policy.observe(np.asarray(state.accept_hist) - before, mode, k, B=self.B,
+                            steps=0 if refresh else done_steps,
+                            seconds=time.perf_counter() - start)
       self._record(mode, k, done_steps)
 
   def _choose(self, state, live: int, groups: int) -> tuple:
@@ -140,22 +148,24 @@ class Driver:
       else:
         log.append([key, steps])
 
-  def _time(self, state, mode, k, reps: int = 3) -> float:
-    """Seconds of one full step of (mode, k) on a copy of `state`."""
+  def _time(self, state, mode, k, reps: int = 2, n: int = 4) -> float:
+    """Seconds per step of (mode, k) on a copy of `state`, run as decoding runs
+    it: several steps per device loop (one with θ > 0 speculative steps)."""
     probe = jax.tree.map(lambda x: x.copy(), state)
+    if mode != "ar" and self.opts.theta > 0:
+      n = 1
 
-    def step(st):  # every row live, nothing emitted yet: one full step of work
+    def run(st, n_steps):  # every row live, nothing emitted yet: full steps of work
       st = st._replace(done_B=jnp.zeros_like(st.done_B), n_out_B=jnp.zeros_like(st.n_out_B))
-      return self._call(st, mode, k, 1)
+      return self._call(st, mode, k, n_steps)
 
-    for _ in range(2):  # compile + warm
-      probe = step(probe)
-    jax.block_until_ready(probe)
+    probe = run(probe, 1)  # compile + warm
+    first = int(probe.steps)
     t = time.perf_counter()
     for _ in range(reps):
-      probe = step(probe)
-    jax.block_until_ready(probe)
-    return (time.perf_counter() - t) / reps
+      probe = run(probe, n)
+    ran = int(probe.steps) - first  # waits for the steps
+    return (time.perf_counter() - t) / max(ran, 1)
 
   def stats(self) -> dict:
     out = {"group_counts": self.group_counts, "mode_steps": self.modes}

@@ -9,8 +9,11 @@ with τ(k) = 1 + Σ_{i<k} Π_{j≤i} r_j, r_j the acceptance rate of draft slot 
 given the slots before it were accepted — counted from the steps run so far
 where slot j was verified, and from the drafts' own confidences (scaled by how
 well they have predicted acceptance) where it was not. AR competes with τ = 1;
-where nothing beats it, that is plain AR. The measured costs are kept in a JSON
-file (see `cost_cache_path`) and in memory.
+a speculative choice must beat it by `AR_MARGIN`, else it is plain AR. What the
+chunks then really cost corrects the model: per mode, the ratio of the seconds
+the decoding chunks took to what the measured costs predicted scales that
+mode's costs, so a mode slower than timed falls back to AR at the next choice.
+The measured costs are kept in a JSON file (see `cost_cache_path`) and in memory.
 """
 
 from __future__ import annotations
@@ -25,6 +28,10 @@ import jax
 import numpy as np
 
 MIN_VERIFIED = 8  # row-steps of a draft slot before its own acceptance rate is used
+MIN_TIMED = 4     # decoding steps of a mode before their wall time corrects its costs
+# A speculative (mode, k) runs only if its predicted tokens/s is at least this
+# times AR's: step timings on a shared CPU vary by ~10 %, and AR is the safe side.
+AR_MARGIN = 1.05
 
 # Measured step costs of this process: cache path -> {key: costs}.
 _COSTS_IN_MEMORY: dict = {}
@@ -70,14 +77,43 @@ class FlexPolicy:
     self.accepted = np.zeros(bs, np.int64)
     self.choices = {}              # batch rows -> the last choice and its prediction
     self.measured = {}             # batch rows -> step costs ("auto")
+    # Batch rows -> {(mode, k): [steps, seconds, tokens]} of decoding chunks whose
+    # variant was already compiled (a first chunk may include compiling).
+    self.realized = {}
+    self.compiled = set()          # (batch rows, mode, k) run or timed once
     self.timing_spans = []         # (start, end) wall time of step-cost measurements
 
-  def observe(self, delta_hist, mode: str, k: int):
-    """A chunk's accepted-length histogram (index a + 1) at (mode, k)."""
+  def observe(self, delta_hist, mode: str, k: int, B: int = 0, steps: int = 0,
+              seconds: float = 0.0):
+    """A chunk at (mode, k) on B rows: its accepted-length histogram (index
+    a + 1), and the `steps` it ran in `seconds` of wall time."""
     if mode == "ar":  # τ comes from speculative steps only
       self.ar_hist = self.ar_hist + delta_hist
     else:
       self.count_acceptance(delta_hist, k)
+    if steps <= 0:
+      return
+    if (B, mode, k) not in self.compiled:  # its time may include compiling
+      self.compiled.add((B, mode, k))
+      return
+    tokens = int((np.arange(len(delta_hist)) * delta_hist).sum())
+    row = self.realized.setdefault(B, {}).setdefault((mode, k), [0, 0.0, 0])
+    row[0] += steps
+    row[1] += seconds
+    row[2] += tokens
+
+  def cost_scale(self, B: int, mode: str) -> float:
+    """Seconds the decoding chunks of `mode` took over what the step costs
+    predicted for them (1 until MIN_TIMED steps are in)."""
+    rows = [(kk, r) for (m, kk), r in self.realized.get(B, {}).items() if m == mode]
+    steps = sum(r[0] for _, r in rows)
+    if steps < MIN_TIMED or self.costs is None:
+      return 1.0
+    predicted = sum(r[0] * self._cost(mode, kk) for kk, r in rows)
+    return sum(r[1] for _, r in rows) / predicted
+
+  def _cost(self, mode: str, k: int) -> float:
+    return self.costs["ar"] if mode == "ar" else self.costs[mode][str(k)]
 
   def count_acceptance(self, delta_hist, k: int):
     a = np.arange(len(delta_hist)) - 1
@@ -102,19 +138,29 @@ class FlexPolicy:
       return ("parallel" if small else "sequential"), k
     if self.costs is None:
       self.costs = self.measured[str(B)] = self.measure(state, B, S)
-    rates = self.predicted_rates(state)
+    rates = self.predicted_rates(state, B)
     best = max(rates, key=rates.get)
-    self.choices[str(B)] = {"choice": list(best), "tokens_per_s": {
-        f"{m}:{kk}" if kk else m: round(r * B, 2) for (m, kk), r in rates.items()}}
+    if rates[best] < AR_MARGIN * rates[("ar", 0)]:
+      best = ("ar", 0)
+    name = lambda m, kk: f"{m}:{kk}" if kk else m
+    self.choices[str(B)] = {
+        "choice": list(best),
+        "tokens_per_s": {name(m, kk): round(r * B, 2) for (m, kk), r in rates.items()},
+        "measured_tokens_per_s": {name(m, kk): round(r[2] / r[1], 2)
+                                  for (m, kk), r in self.realized.get(B, {}).items()
+                                  if r[1] > 0},
+        "cost_scale": {m: round(self.cost_scale(B, m), 3) for m in ("ar",) + self.modes}}
     return best
 
-  def predicted_rates(self, state) -> dict:
-    """{(mode, k): predicted tokens per second per row} for AR and every bucket."""
+  def predicted_rates(self, state, B: int = 0) -> dict:
+    """{(mode, k): predicted tokens per second per row} for AR and every bucket:
+    τ(k) over the step cost, corrected by what the chunks at B rows took."""
     tau = self.tau_by_length(state)
-    rates = {("ar", 0): 1.0 / self.costs["ar"]}
+    rates = {("ar", 0): 1.0 / (self.costs["ar"] * self.cost_scale(B, "ar"))}
     for mode in self.modes:
+      scale = self.cost_scale(B, mode)
       for k in self.buckets:
-        rates[(mode, k)] = tau[k] / self.costs[mode][str(k)]
+        rates[(mode, k)] = tau[k] / (self.costs[mode][str(k)] * scale)
     return rates
 
   def tau_by_length(self, state) -> dict:
@@ -159,6 +205,7 @@ class FlexPolicy:
     for mode, k in tqdm.tqdm(plan, desc="flex step costs", leave=False,
                              disable=len(plan) < 4 or not sys.stderr.isatty()):
       timed[(mode, k)] = self.time_step(state, mode, k)
+      self.compiled.add((B, mode, k))
     costs = {"ar": timed[("ar", 0)], "measured_k": ends}
     for mode in self.modes:
       xs = np.array(ends, float)
