@@ -129,10 +129,14 @@ def main(argv=None) -> int:
     print(f"flex at batch {rows} chose {mode}" + (f" verifying up to {k - 1} drafts" if k
           else "") + f": predicted {pred[best]:.1f} tok/s ("
           + ", ".join(f"{m} {v:.1f}" for m, v in others if m != best) + ")")
-  if args.mode == "flex" and set(steps) == {"ar"}:
+    if c.get("measured_tokens_per_s"):  # what the decoding chunks really did
+      print("  measured while decoding: " + ", ".join(
+          f"{m} {v:.1f} tok/s" for m, v in c["measured_tokens_per_s"].items()))
+  if args.mode == "flex" and steps.get("ar"):
     print("flex measured the step costs on this machine and predicted plain AR steps "
-          "to be fastest here (speculative verification does not pay on this "
-          "hardware with this drafter), so it decoded with AR steps.")
+          "to be fastest " + ("here" if set(steps) == {"ar"} else "after its "
+          "speculative steps") + " (speculative verification does not pay on this "
+          "hardware with this drafter at that point), so it decoded with AR steps.")
   if info["kind"] == "random":
     print("NOTE: the drafter is RANDOM (untrained): τ ≈ 1 and no speedup are expected.")
   if not same:
