@@ -6,13 +6,15 @@ length k) pair: for this target, drafter, hardware and batch shape it measures
 step costs once (AR, and each speculative mode at the shortest and longest k;
 lengths between are interpolated) and predicts tokens/s = τ(k) / cost(mode, k)
 with τ(k) = 1 + Σ_{i<k} Π_{j≤i} r_j, r_j the acceptance rate of draft slot j
-given the slots before it were accepted — counted from the steps run so far
+given the slots before it were accepted — counted from recent steps (each older chunk weighs ACCEPT_DECAY less)
 where slot j was verified, and from the drafts' own confidences (scaled by how
 well they have predicted acceptance) where it was not. AR competes with τ = 1;
 a speculative choice must beat it by `AR_MARGIN`, else it is plain AR. What the
 chunks then really cost corrects the model: per mode, the ratio of the seconds
 the decoding chunks took to what the measured costs predicted scales that
-mode's costs, so a mode slower than timed falls back to AR at the next choice.
+mode's costs, so a mode slower than timed falls back to AR at the next choice;
+until a (mode, k) has timed steps at this batch shape its chunks are short
+(`PROBE_STEPS`), so a wrong first choice costs a few steps.
 The measured costs are kept in a JSON file (see `cost_cache_path`) and in memory.
 """
 
@@ -32,6 +34,13 @@ MIN_TIMED = 4     # decoding steps of a mode before their wall time corrects its
 # A speculative (mode, k) runs only if its predicted tokens/s is at least this
 # times AR's: step timings on a shared CPU vary by ~10 %, and AR is the safe side.
 AR_MARGIN = 1.05
+# Steps of a speculative chunk while its (mode, k) has no timed steps at this batch
+# shape: a wrong first choice costs a few steps, not a whole chunk.
+PROBE_STEPS = 4
+# Before a chunk's acceptance counts are added, the older ones are scaled by
+# this: τ follows what the rows live now do (once some rows are done, the batch
+# waits on the rest, whose acceptance may be lower than the batch's was).
+ACCEPT_DECAY = 0.5
 
 # Measured step costs of this process: cache path -> {key: costs}.
 _COSTS_IN_MEMORY: dict = {}
@@ -73,8 +82,8 @@ class FlexPolicy:
     self.cost_path = cost_cache_path(getattr(opts, "cost_cache", "default"))
     self.ar_hist = 0               # the accept histogram's counts from AR steps
     # Draft slot i (1-based): row-steps where it was verified / accepted.
-    self.verified = np.zeros(bs, np.int64)
-    self.accepted = np.zeros(bs, np.int64)
+    self.verified = np.zeros(bs)
+    self.accepted = np.zeros(bs)
     self.choices = {}              # batch rows -> the last choice and its prediction
     self.measured = {}             # batch rows -> step costs ("auto")
     # Batch rows -> {(mode, k): [steps, seconds, tokens]} of decoding chunks whose
@@ -90,6 +99,8 @@ class FlexPolicy:
     if mode == "ar":  # τ comes from speculative steps only
       self.ar_hist = self.ar_hist + delta_hist
     else:
+      self.verified = self.verified * ACCEPT_DECAY
+      self.accepted = self.accepted * ACCEPT_DECAY
       self.count_acceptance(delta_hist, k)
     if steps <= 0:
       return
@@ -101,6 +112,13 @@ class FlexPolicy:
     row[0] += steps
     row[1] += seconds
     row[2] += tokens
+
+  def chunk_steps(self, B: int, mode: str, k: int, default: int) -> int:
+    """Steps of the next chunk at (mode, k): short until its costs are timed."""
+    if mode == "ar" or self.opts.flex_threshold != "auto":
+      return default
+    timed = self.realized.get(B, {}).get((mode, k), [0])[0]
+    return default if timed >= MIN_TIMED else min(default, PROBE_STEPS)
 
   def cost_scale(self, B: int, mode: str) -> float:
     """Seconds the decoding chunks of `mode` took over what the step costs
@@ -118,8 +136,8 @@ class FlexPolicy:
   def count_acceptance(self, delta_hist, k: int):
     a = np.arange(len(delta_hist)) - 1
     for i in range(1, k):
-      self.verified[i] += int(delta_hist[a >= i - 1].sum())
-      self.accepted[i] += int(delta_hist[a >= i].sum())
+      self.verified[i] += delta_hist[a >= i - 1].sum()
+      self.accepted[i] += delta_hist[a >= i].sum()
 
   def sticky_ar(self, last_mode) -> bool:
     """An AR choice stands until the batch shape changes: AR steps observe no
@@ -145,7 +163,7 @@ class FlexPolicy:
     name = lambda m, kk: f"{m}:{kk}" if kk else m
     self.choices[str(B)] = {
         "choice": list(best),
-        "tokens_per_s": {name(m, kk): round(r * B, 2) for (m, kk), r in rates.items()},
+        "tokens_per_s": {name(m, kk): round(r * live, 2) for (m, kk), r in rates.items()},
         "measured_tokens_per_s": {name(m, kk): round(r[2] / r[1], 2)
                                   for (m, kk), r in self.realized.get(B, {}).items()
                                   if r[1] > 0},

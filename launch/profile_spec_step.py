@@ -1,0 +1,110 @@
+"""Where a sequential decode step of SmolLM2-135M + the shipped drafter goes (ms).
+
+  PYTHONPATH=. python launch/profile_spec_step.py --batch=1 --ks=1,2,4,8
+
+A sequential step at verify length k is (1) the target over the k-position
+verify block, with the LM head at every position, then (2) the draft pass: one
+mask block through the deep layers, the draft head and the calibration. This
+times each part by itself, through the library's own functions, on a decode
+state made by real decoding (a GSM8K-style prompt, the chat template):
+  forward_k{k}        the target over k positions + LM head + argmax
+  body_k1             the same at k = 1 without the LM head
+  lm_head_k{k}        the LM head alone on k positions ([k, H] x [H, V])
+  draft_pass          deep layers over the mask block + draft head + calibration
+  step_ar, step_seq_k{k}   one whole step of the jitted decode loop
+On a CPU the LM head is a memory-bound matrix-vector product at k = 1 and a
+much slower small matrix-matrix product from k = 2 on; compare `lm_head_k*`.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import time
+
+from absl import app, flags
+
+flags.DEFINE_integer("batch", 1, "rows per step")
+flags.DEFINE_list("ks", ["1", "2", "4", "8"], "verify lengths to time")
+flags.DEFINE_integer("reps", 20, "timed calls per part (mean reported)")
+flags.DEFINE_string("drafter", "flexdraft_jax/drafters/smollm2_135m", "drafter directory")
+FLAGS = flags.FLAGS
+
+PROMPT = ("Natalia sold clips to 48 of her friends in April, and then she sold half as "
+          "many clips in May. How many clips did Natalia sell altogether in April and May?")
+
+
+def main(argv):
+  del argv
+  import jax
+  import jax.numpy as jnp
+
+  import flexdraft_jax as fd
+  from flexdraft_jax.decoding import chunk, verify
+  from flexdraft_jax.decoding.state import KV_BLOCK
+  from flexdraft_jax.drafter.model import Drafter
+  from flexdraft_jax.evaluation import sweep
+  from flexdraft_jax.model import transformer
+
+  target = fd.load_target("smollm2-135m", layout="layers")
+  drafter = fd.load_drafter(sweep.resolve_path(FLAGS.drafter), target)
+  ks = [int(k) for k in FLAGS.ks]
+  # The decode state of a real run: the first chunk's arguments, copied before
+  # the chunk consumes (donates) them.
+  first, real = {}, chunk.run_chunk
+
+  def capture(*a, **kw):
+    if not first:
+      first.update(args=a[:2] + (jax.tree.map(jnp.copy, a[2]),), kw=kw)
+    return real(*a, **kw)
+
+  chunk.run_chunk = capture
+  try:
+    fd.generate(target, [PROMPT] * FLAGS.batch, max_new_tokens=128, drafter=drafter,
+                mode="sequential", verify_len=2, stop=[], chat=True)
+  finally:
+    chunk.run_chunk = real
+  (tp, dp, state), kw = first["args"], first["kw"]
+  cfg, dcfg, sp = kw["cfg"], kw["dcfg"], kw["sp"]
+
+  def ms(f, *args):
+    f = jax.jit(f)
+    for _ in range(2):  # compile + warm
+      jax.block_until_ready(f(*args))
+    t = time.perf_counter()
+    for _ in range(FLAGS.reps):
+      out = f(*args)
+    jax.block_until_ready(out)
+    return round(1e3 * (time.perf_counter() - t) / FLAGS.reps, 2)
+
+  def forward(tp, st, k, head):
+    block = jnp.zeros((st.bonus_B.shape[0], k), jnp.int32)
+    pos = st.length_B[:, None] + jnp.arange(k)[None]
+    h, _, cache = transformer.forward(tp, cfg, st.cache, block, pos, kv_block=KV_BLOCK)
+    first_cache = jax.tree.leaves(cache)[0]
+    return (transformer.logits(tp, cfg, h).argmax(-1) if head else h), first_cache
+
+  def draft_pass(tp, dp, st):
+    return verify.refresh_drafts(tp, cfg, Drafter(dcfg, dp), st, sp=sp).drafts_BxD
+
+  def step(tp, dp, st, mode, k):  # one step of the decode loop (donation off inside jit)
+    return real(tp, dp, st, **dict(kw, mode=mode, num_groups=k, n_steps=jnp.int32(1))).bonus_B
+
+  B = FLAGS.batch
+  out = {"batch": B, "cache_slots": int(jax.tree.leaves(state.cache)[0].shape[2])}
+  out["body_k1"] = ms(functools.partial(forward, k=1, head=False), tp, state)
+  for k in ks:
+    out[f"forward_k{k}"] = ms(functools.partial(forward, k=k, head=True), tp, state)
+    h = jnp.zeros((B, k, cfg.hidden_size), jnp.float32)
+    out[f"lm_head_k{k}"] = ms(lambda tp, h: transformer.logits(tp, cfg, h).argmax(-1), tp, h)
+  out["draft_pass"] = ms(draft_pass, tp, dp, state)
+  out["step_ar"] = ms(functools.partial(step, mode="ar", k=0), tp, dp, state)
+  for k in ks:
+    if k >= 2:
+      out[f"step_seq_k{k}"] = ms(functools.partial(step, mode="sequential", k=k), tp, dp,
+                                 state)
+  print(json.dumps(out))
+
+
+if __name__ == "__main__":
+  app.run(main)
