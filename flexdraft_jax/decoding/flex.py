@@ -6,9 +6,10 @@ length k) pair: for this target, drafter, hardware and batch shape it measures
 step costs once (AR, and each speculative mode at the shortest and longest k;
 lengths between are interpolated) and predicts tokens/s = τ(k) / cost(mode, k)
 with τ(k) = 1 + Σ_{i<k} Π_{j≤i} r_j, r_j the acceptance rate of draft slot j
-given the slots before it were accepted — counted from recent steps (each older chunk weighs ACCEPT_DECAY less)
-where slot j was verified, and from the drafts' own confidences (scaled by how
-well they have predicted acceptance) where it was not. AR competes with τ = 1;
+given the slots before it were accepted — counted from the recent steps where
+slot j was verified (each older chunk weighs `ACCEPT_DECAY` less), and from the
+drafts' own confidences (scaled by how well they have predicted acceptance)
+where it was not. AR competes with τ = 1;
 a speculative choice must beat it by `AR_MARGIN`, else it is plain AR. What the
 chunks then really cost corrects the model: per mode, the ratio of the seconds
 the decoding chunks took to what the measured costs predicted scales that
