@@ -49,6 +49,21 @@ def test_tiny_logits_match_hf(tiny_hf, name):
   np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize("name", ["qwen3_tied", "qwen3_untied"])
+def test_greedy_tokens_are_the_logits_argmax(tiny_hf, name):
+  """Decoding's greedy head (a `[V, B*T]` product) picks the argmax of the
+  `[B, T, V]` logits, tied or untied head."""
+  target = load_target(tiny_hf[name][0])
+  cfg, params = target.config, target.params
+  h = jax.random.normal(jax.random.PRNGKey(1), (3, 5, cfg.hidden_size))
+  with jax.default_matmul_precision("highest"):
+    want = np.asarray(jnp.argmax(tr.logits(params, cfg, h), axis=-1))
+    got = np.asarray(tr.greedy_tokens(params, cfg, h))
+  assert got.shape == (3, 5) and got.dtype == np.int32
+  assert len(np.unique(want)) > 3  # the argmax varies across positions
+  np.testing.assert_array_equal(got, want)
+
+
 def test_tiny_configs(tiny_hf):
   cfgs = {n: load_target(tiny_hf[n][0]).config for n in ("qwen3_tied", "qwen3_untied",
                                                            "llama_rope3", "qwen2_bias")}

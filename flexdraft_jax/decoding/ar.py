@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from flexdraft_jax.decoding.sampling import SamplingParams, sample
+from flexdraft_jax.decoding.sampling import SamplingParams, target_tokens
 from flexdraft_jax.decoding.state import KV_BLOCK, DecodeState, emit
 from flexdraft_jax.model import transformer
 
@@ -19,8 +19,8 @@ def ar_step(target_params, cfg, state: DecodeState, *, sp: SamplingParams,
   h, _, cache = transformer.forward(
       target_params, cfg, state.cache, state.bonus_B[:, None],
       state.length_B[:, None], attn_impl=attn_impl, kv_block=KV_BLOCK)
-  y = sample(transformer.logits(target_params, cfg, h)[:, 0],
-             jax.random.fold_in(state.key, state.steps), sp)
+  y = target_tokens(target_params, cfg, h, jax.random.fold_in(state.key, state.steps),
+                    sp)[:, 0]
   live = ~state.done_B
   out, n_out, done, _ = emit(state, y[:, None], jnp.ones_like(y), max_new, stop_ids)
   hist_idx = jnp.minimum(1, state.accept_hist.shape[0] - 1)

@@ -10,6 +10,7 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
+from flexdraft_jax.model import transformer
 from flexdraft_jax.model.config import FlexDraftError
 
 
@@ -66,3 +67,11 @@ def sample(logits_xV, key, sp: SamplingParams):
   if sp.greedy:
     return jnp.argmax(logits_xV, axis=-1).astype(jnp.int32)
   return jax.random.categorical(key, processed_logits(logits_xV, sp)).astype(jnp.int32)
+
+
+def target_tokens(target_params, cfg, h_BxTxH, key, sp: SamplingParams):
+  """The target's token `[B, T]` after each hidden state: the argmax at T=0
+  (`transformer.greedy_tokens`, no `[B, T, V]` logits), else a sample."""
+  if sp.greedy:
+    return transformer.greedy_tokens(target_params, cfg, h_BxTxH)
+  return sample(transformer.logits(target_params, cfg, h_BxTxH), key, sp)

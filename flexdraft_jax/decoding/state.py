@@ -13,7 +13,8 @@ from typing import NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 
-from flexdraft_jax.decoding.sampling import SamplingParams, processed_logits, sample
+from flexdraft_jax.decoding.sampling import (SamplingParams, processed_logits,
+                                            target_tokens)
 from flexdraft_jax.drafter import model as drafter_model
 from flexdraft_jax.model import transformer
 
@@ -116,7 +117,7 @@ def prefill(target_params, cfg, cache, prompt_BxP, plen_B, valid_B, key, *,
       num_draft_layers=L, attn_impl=attn_impl, kv_block=KV_BLOCK)
   h_last = jnp.take_along_axis(h, (plen_B - 1)[:, None, None], axis=1)
   key, sub, sub_draft = jax.random.split(key, 3)
-  t0 = sample(transformer.logits(target_params, cfg, h_last)[:, 0], sub, sp)
+  t0 = target_tokens(target_params, cfg, h_last, sub, sp)[:, 0]
   if joint:
     drafts, conf, q = draft_tokens(target_params, cfg, drafter, hm, t0, sp, sub_draft)
   elif drafter is not None:

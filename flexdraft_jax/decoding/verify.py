@@ -5,8 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from flexdraft_jax.decoding.sampling import SamplingParams, sample
-from flexdraft_jax.decoding.sampling import processed_logits
+from flexdraft_jax.decoding.sampling import SamplingParams, processed_logits, target_tokens
 from flexdraft_jax.decoding.state import (DRAFT_KEY_OFFSET, DecodeState, deep_pass,
                                          draft_tokens, emit)
 from flexdraft_jax.model import transformer
@@ -31,12 +30,12 @@ def verify_block(target_params, cfg, h_BxkxH, state: DecodeState, vlen_B,
   accepting while the sampled `y_i == d_{i+1}` is exact rejection sampling for
   a point-mass draft: lossless at any T.
   """
-  lg = transformer.logits(target_params, cfg, h_BxkxH)
   key = jax.random.fold_in(state.key, state.steps)
   D = h_BxkxH.shape[1] - 1
   if sp.sampled_drafts:
-    return leviathan(lg, state, vlen_B, sp, key)
-  y = sample(lg, key, sp)
+    return leviathan(transformer.logits(target_params, cfg, h_BxkxH), state, vlen_B, sp,
+                     key)
+  y = target_tokens(target_params, cfg, h_BxkxH, key, sp)
   ok = (y[:, :D] == state.drafts_BxD[:, :D]) & (jnp.arange(D)[None] < vlen_B[:, None])
   a = jnp.sum(jnp.cumprod(ok, axis=1), axis=1).astype(jnp.int32)
   return y, a

@@ -134,6 +134,22 @@ def logits(params, cfg: ModelConfig, h_BxTxH):
                     preferred_element_type=jnp.float32)
 
 
+def greedy_tokens(params, cfg: ModelConfig, h_BxTxH):
+  """`argmax(logits(h))` `[B, T]` int32, without materialising `[B, T, V]`
+  row-major: the head is computed as `[V, B*T]` (vocabulary rows streamed
+  once), which XLA:CPU runs ~1.5x faster than the `[B*T, V]` product for
+  2-32 rows (the verify block at small batch) and no slower for one row or
+  many. Decoding uses it for every greedy token, so AR steps and verify
+  blocks take their argmax from the same computation."""
+  B, T, H = h_BxTxH.shape
+  x = rms_norm(h_BxTxH, params["final_norm"], cfg.rms_norm_eps).reshape(B * T, H)
+  if cfg.tie_embeddings:
+    lg = jnp.einsum("VH,NH->VN", params["embed"], x, preferred_element_type=jnp.float32)
+  else:
+    lg = jnp.einsum("HV,NH->VN", params["lm_head"], x, preferred_element_type=jnp.float32)
+  return jnp.argmax(lg, axis=0).astype(jnp.int32).reshape(B, T)
+
+
 def _layer(layers, i):
   """Layer i's weights from a per-layer list or a stacked dict (a traced i needs
   the stacked one)."""
