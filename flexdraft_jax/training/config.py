@@ -54,6 +54,10 @@ def base_config(name: str) -> ml_collections.ConfigDict:
   c.data.max_prompt_tokens = 256  # longer prompts are skipped
   c.data.max_new_tokens = 256
   c.data.batch_size = 16          # regeneration batch (one shard per batch)
+  # "I/N": answer only the prompts whose uid hashes to part I of N, so N
+  # processes (or hosts) regenerate one mix side by side, each into its own
+  # regen_dir; "" answers them all.
+  c.data.part = ""
 
   c.train = ml_collections.ConfigDict(dict(
       seq_len=512, batch_size=8, anchors_per_seq=4, gamma=7.0, loss="ce",
@@ -99,6 +103,17 @@ def check_data_config(dc) -> None:
     _need(source in SOURCES, f"data.mix.{source}", f"one of {', '.join(SOURCES)}", source)
     _need(isinstance(count, int) and count >= -1, f"data.mix.{source}",
           "an integer >= -1 (-1: all)", count)
+  part = dc.get("part", "")
+  _need(part == "" or parse_part(part) is not None, "data.part",
+        "'' or 'I/N' with 0 <= I < N", part)
+
+
+def parse_part(part: str):
+  """"I/N" -> (I, N) with 0 <= I < N; None when it is not that."""
+  i, sep, n = str(part).partition("/")
+  if not (sep and i.isdigit() and n.isdigit()) or not 0 <= int(i) < int(n):
+    return None
+  return int(i), int(n)
 
 
 def check_train_config(config) -> None:

@@ -66,7 +66,7 @@ def load_prompts(data_cfg) -> list:
       continue
     rows = read_source(source, data_cfg.paths[source],
                        dict(data_cfg.get("suffix", {})).get(source, ""))
-    order = np.random.default_rng([data_cfg.seed, _stable_int(source)]).permutation(len(rows))
+    order = np.random.default_rng([data_cfg.seed, stable_int(source)]).permutation(len(rows))
     picked.append([rows[i] for i in order[:None if count < 0 else count]])
   out = []
   for i in range(max((len(p) for p in picked), default=0)):
@@ -74,7 +74,7 @@ def load_prompts(data_cfg) -> list:
   return out
 
 
-def _stable_int(s: str) -> int:
+def stable_int(s: str) -> int:
   return int(hashlib.sha256(s.encode()).hexdigest()[:8], 16)
 
 
@@ -268,7 +268,7 @@ def _text(x) -> str:
 def split_eval(records: list, num_eval: int) -> tuple:
   """(train, eval): the held-out records are the `num_eval` with the smallest
   uid hash — stable when more data is added."""
-  order = sorted(range(len(records)), key=lambda i: _stable_int("eval:" + records[i].uid))
+  order = sorted(range(len(records)), key=lambda i: stable_int("eval:" + records[i].uid))
   held = set(order[:num_eval])
   return ([r for i, r in enumerate(records) if i not in held],
           [r for i, r in enumerate(records) if i in held])

@@ -22,7 +22,7 @@ from flexdraft_jax.model.config import FlexDraftError
 from flexdraft_jax.decoding import timing
 from flexdraft_jax.model import loading
 from flexdraft_jax.training import data
-from flexdraft_jax.training.config import check_data_config
+from flexdraft_jax.training.config import check_data_config, parse_part
 from flexdraft_jax.util import round_up
 
 
@@ -75,9 +75,10 @@ def regenerate(config, *, limit: int = 0, max_minutes: float = 0.0) -> dict:
   data.use_packed(dc)
 
   done = {r["uid"] for r in data.read_shards(regen_dir)}
+  part = parse_part(dc.part) if dc.get("part", "") else None
   todo, skipped = [], 0
   for p in prompts:
-    if p.uid in done:
+    if p.uid in done or (part and data.stable_int(p.uid) % part[1] != part[0]):
       continue
     ids = prompt_ids(target.tokenizer, p.text, chat_kwargs)
     if len(ids) > dc.max_prompt_tokens:
