@@ -157,8 +157,10 @@ def test_flex_auto_measures_once_per_shape(target, cost_cache, monkeypatch):
     out = fd.generate(target, prompts, max_new_tokens=24, drafter=drafter, mode="flex")
     assert_lossless(target, prompts, ref.token_ids, out.token_ids)
   buckets = chunk.group_buckets(4, chunk.SpecOptions())
-  # AR, and each mode at the shortest and longest verify length
-  assert sorted(timed) == ["ar", "parallel", "parallel", "sequential", "sequential"]
+  # AR, and each mode at the shortest and longest verify length, round-robin
+  # TIMING_ROUNDS times in the first run only
+  plan = ["ar", "sequential", "sequential", "parallel", "parallel"]
+  assert timed == plan * flex.TIMING_ROUNDS
   with open(cost_cache) as f:
     (costs,) = json.load(f).values()
   assert costs["ar"] > 0 and costs["measured_k"] == [buckets[0], buckets[-1]]
@@ -357,11 +359,59 @@ def test_tau_by_length_from_counts_and_confidence():
   d.count_acceptance(np.array([0, 20, 40, 40, 0, 0, 0, 0, 0]), 3)
   assert d.verified[1:3].tolist() == [100, 80] and d.accepted[1:3].tolist() == [80, 40]
   tau = d.tau_by_length(state)
-  assert tau[2] == pytest.approx(1.8) and tau[3] == pytest.approx(1.8 + 0.8 * 0.5)
-  # slots 3.. never verified: confidence × how it has predicted (120 / 90)
-  r3 = 0.5 * (120 / 90)
-  assert tau[5] == pytest.approx(1.8 + 0.4 + 0.4 * r3 + 0.4 * r3 ** 2)
+  # each verified slot: its counts plus PRIOR_WEIGHT steps of the prior, the
+  # confidence × how well it has predicted acceptance (120 accepted / 90 predicted)
+  prior, w = 0.5 * (120 / 90), flex.PRIOR_WEIGHT
+  r1, r2 = (80 + w * prior) / (100 + w), (40 + w * prior) / (80 + w)
+  assert tau[2] == pytest.approx(1 + r1) and tau[3] == pytest.approx(1 + r1 + r1 * r2)
+  # slots 3.. never verified: the prior alone
+  assert tau[5] == pytest.approx(1 + r1 + r1 * r2 * (1 + prior + prior ** 2))
+  # many more steps: the counts' own rates (0.8, then 0.5) decide
+  d.count_acceptance(np.array([0, 20, 40, 40, 0, 0, 0, 0, 0]) * 1000, 3)
+  assert d.tau_by_length(state)[3] == pytest.approx(1 + 0.8 + 0.8 * 0.5, abs=2e-3)
   assert _driver(verify_len=5).buckets == (2, 3, 5)
+
+
+def test_tau_prior_is_the_mean_confidence_over_choices():
+  # One state's drafts are a noisy sample: the prior is the decayed mean of
+  # the confidences seen at each choice, not the latest alone.
+  d = _driver()
+  d.costs = {"ar": 1.0, "sequential": {str(k): 1.0 for k in d.buckets},
+             "parallel": {str(k): 1.0 for k in d.buckets}}
+  d.choose(_conf_state([0.9] * 7), 1, 8, B=1, S=64)
+  low = _conf_state([0.1] * 7)
+  mean = (flex.ACCEPT_DECAY * 0.9 + 0.1) / (flex.ACCEPT_DECAY + 1)
+  assert d.tau_by_length(low)[2] == pytest.approx(1.9)  # not seen by a choice yet
+  d.choose(low, 1, 8, B=1, S=64)
+  assert d.tau_by_length(low)[2] == pytest.approx(1 + mean)
+
+
+def test_flex_probes_speculation_again_after_ar_when_it_came_close():
+  d = _driver(verify_len=2)
+  d.modes = ("sequential",)
+  d.costs = {"ar": 1.0, "sequential": {"2": 1.2}}
+  # τ(2) = 1.1 at 1.2x AR's cost: 0.92x AR, within EXPLORE of the margin
+  close = _conf_state([0.1] + [0.5] * 6)
+  assert d.choose(close, 1, 2, B=1, S=64) == ("ar", 0)
+  # AR runs until the next probe is due, then one short probe chunk
+  assert d.chunk_steps(1, "ar", 0, 1000) == flex.AR_STRETCH
+  assert not d.sticky_ar("sequential") and d.sticky_ar("ar")
+  d.observe(np.zeros(9), "ar", 0, B=1, steps=flex.AR_STRETCH, seconds=1.0)
+  assert not d.sticky_ar("ar")
+  assert d.choose(close, 1, 2, B=1, S=64) == ("sequential", 2)
+  assert d.stats()["flex_choices"]["1"]["probe"]
+  assert d.chunk_steps(1, "sequential", 2, 16) == flex.PROBE_STEPS
+  # it lost: AR again, for twice as long before the next probe
+  assert d.choose(close, 1, 2, B=1, S=64) == ("ar", 0)
+  assert d.chunk_steps(1, "ar", 0, 1000) == 2 * flex.AR_STRETCH
+  # far behind AR: no probes at all, AR runs to the end in one loop
+  far = _conf_state([0.5] * 7)  # τ(2) = 1.5 at twice AR's cost: 0.75x AR
+  d2 = _driver(verify_len=2)
+  d2.modes, d2.costs = d.modes, {"ar": 1.0, "sequential": {"2": 2.0}}
+  assert d2.choose(far, 1, 2, B=1, S=64) == ("ar", 0)
+  assert d2.chunk_steps(1, "ar", 0, 1000) == 1000
+  d2.observe(np.zeros(9), "ar", 0, B=1, steps=1000, seconds=1.0)
+  assert d2.sticky_ar("ar")
 
 
 def test_flex_corrects_step_costs_with_what_chunks_took():

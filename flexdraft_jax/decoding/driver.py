@@ -90,8 +90,8 @@ class Driver:
         n = AR_CHUNK if self.B >= COMPACT_MIN else max_new
       else:  # with θ > 0 the host picks the bucket every step
         n = 1 if selective else self.steps_per_call
-        if self.policy:
-          n = self.policy.chunk_steps(self.B, mode, k, n)
+      if self.policy:  # flex: probes are short, and so is AR until the next one
+        n = self.policy.chunk_steps(self.B, mode, k, n)
       before = np.asarray(state.accept_hist) if self.policy else None
       start, refresh = time.perf_counter(), self._refreshes(mode)
       state = self._chunk(state, mode, k, n)
@@ -150,10 +150,11 @@ class Driver:
       else:
         log.append([key, steps])
 
-  def _time(self, state, mode, k, reps: int = 3, n: int = 4) -> float:
+  def _time(self, state, mode, k, reps: int = 1, n: int = 4) -> float:
     """Seconds per step of (mode, k) on a copy of `state`, run as decoding runs
     it: several steps per device loop (one with θ > 0 speculative steps); the
-    best of `reps` loops (a shared CPU only ever adds time)."""
+    best of `reps` loops (a shared CPU only ever adds time; flex's `measure`
+    calls this round-robin over the variants and keeps the best)."""
     probe = jax.tree.map(lambda x: x.copy(), state)
     if mode != "ar" and self.opts.theta > 0:
       n = 1

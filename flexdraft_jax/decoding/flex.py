@@ -7,15 +7,18 @@ step costs once (AR, and each speculative mode at the shortest and longest k;
 lengths between are interpolated) and predicts tokens/s = τ(k) / cost(mode, k)
 with τ(k) = 1 + Σ_{i<k} Π_{j≤i} r_j, r_j the acceptance rate of draft slot j
 given the slots before it were accepted — counted from the recent steps where
-slot j was verified (each older chunk weighs `ACCEPT_DECAY` less), and from the
-drafts' own confidences (scaled by how well they have predicted acceptance)
-where it was not. AR competes with τ = 1;
+slot j was verified (each older chunk weighs `ACCEPT_DECAY` less), blended
+with a prior from the drafts' own confidences (scaled by how well they have
+predicted acceptance), which is all there is for slots never verified. AR
+competes with τ = 1;
 a speculative choice must beat it by `AR_MARGIN`, else it is plain AR. What the
 chunks then really cost corrects the model: per mode, the ratio of the seconds
 the decoding chunks took to what the measured costs predicted scales that
 mode's costs, so a mode slower than timed falls back to AR at the next choice;
 until a (mode, k) has timed steps at this batch shape its chunks are short
-(`PROBE_STEPS`), so a wrong first choice costs a few steps.
+(`PROBE_STEPS`), so a wrong first choice costs a few steps. AR learns nothing
+about acceptance, so where speculation came close flex probes it again after
+`AR_STRETCH` AR steps, then after twice as many, and so on.
 The measured costs are kept in a JSON file (see `cost_cache_path`) and in memory.
 """
 
@@ -30,7 +33,9 @@ import warnings
 import jax
 import numpy as np
 
-MIN_VERIFIED = 8  # row-steps of a draft slot before its own acceptance rate is used
+# Pseudo-row-steps of the confidence-based prior in each slot's acceptance
+# rate: a slot verified n times weighs its own count n / (n + PRIOR_WEIGHT).
+PRIOR_WEIGHT = 8
 MIN_TIMED = 4     # decoding steps of a mode before their wall time corrects its costs
 # A speculative (mode, k) runs only if its predicted tokens/s is at least this
 # times AR's: step timings on a shared CPU vary by ~10 %, and AR is the safe side.
@@ -42,6 +47,15 @@ PROBE_STEPS = 4
 # this: τ follows what the rows live now do (once some rows are done, the batch
 # waits on the rest, whose acceptance may be lower than the batch's was).
 ACCEPT_DECAY = 0.5
+# AR does not see acceptance, so a run that fell back to AR would never learn
+# that speculation pays again: after AR_STRETCH AR steps (doubling after every
+# probe that does not win) flex probes its best speculative (mode, k) for
+# PROBE_STEPS steps — only where that is predicted within a factor EXPLORE of
+# winning, so where speculation is far behind (large batches on a CPU) AR runs
+# untouched.
+AR_STRETCH = 16
+EXPLORE = 0.8
+TIMING_ROUNDS = 3  # rounds of timing every variant (measure)
 
 # Measured step costs of this process: cache path -> {key: costs}.
 _COSTS_IN_MEMORY: dict = {}
@@ -91,6 +105,13 @@ class FlexPolicy:
     # variant was already compiled (a first chunk may include compiling).
     self.realized = {}
     self.compiled = set()          # (batch rows, mode, k) run or timed once
+    # Mean draft confidence per slot over recent choices (decayed), the prior
+    # of slots with few verifications.
+    self.conf_sum, self.conf_n = np.zeros(bs), 0.0
+    self.ar_stretch = AR_STRETCH   # AR steps before the next probe
+    self.ar_since_probe = 0
+    self.probing = False           # the running chunk is a probe
+    self.explore_ar = False        # AR was chosen with speculation close behind
     self.timing_spans = []         # (start, end) wall time of step-cost measurements
 
   def observe(self, delta_hist, mode: str, k: int, B: int = 0, steps: int = 0,
@@ -99,6 +120,7 @@ class FlexPolicy:
     a + 1), and the `steps` it ran in `seconds` of wall time."""
     if mode == "ar":  # τ comes from speculative steps only
       self.ar_hist = self.ar_hist + delta_hist
+      self.ar_since_probe += steps
     else:
       self.verified = self.verified * ACCEPT_DECAY
       self.accepted = self.accepted * ACCEPT_DECAY
@@ -115,11 +137,18 @@ class FlexPolicy:
     row[2] += tokens
 
   def chunk_steps(self, B: int, mode: str, k: int, default: int) -> int:
-    """Steps of the next chunk at (mode, k): short until its costs are timed."""
-    if mode == "ar" or self.opts.flex_threshold != "auto":
+    """Steps of the next chunk at (mode, k): short for a probe or until its
+    costs are timed; AR until the next probe is due."""
+    if self.opts.flex_threshold != "auto":
       return default
+    if mode == "ar":
+      if not self.explore_ar:
+        return default
+      return max(1, min(default, self.ar_stretch - self.ar_since_probe))
     timed = self.realized.get(B, {}).get((mode, k), [0])[0]
-    return default if timed >= MIN_TIMED else min(default, PROBE_STEPS)
+    if self.probing or timed < MIN_TIMED:
+      return min(default, PROBE_STEPS)
+    return default
 
   def cost_scale(self, B: int, mode: str) -> float:
     """Seconds the decoding chunks of `mode` took over what the step costs
@@ -141,10 +170,12 @@ class FlexPolicy:
       self.accepted[i] += delta_hist[a >= i].sum()
 
   def sticky_ar(self, last_mode) -> bool:
-    """An AR choice stands until the batch shape changes: AR steps observe no
-    τ and the step costs are per shape, so the prediction cannot change."""
+    """An AR choice stands until the batch shape changes or, where
+    speculation came close (`explore_ar`), until the next probe is due: AR
+    steps observe no τ, so the prediction cannot change meanwhile."""
     return (self.opts.flex_threshold == "auto" and self.costs is not None
-            and last_mode == "ar")
+            and last_mode == "ar"
+            and not (self.explore_ar and self.ar_since_probe >= self.ar_stretch))
 
   def shape_changed(self):
     self.costs = None  # step costs depend on the batch
@@ -157,10 +188,21 @@ class FlexPolicy:
       return ("parallel" if small else "sequential"), k
     if self.costs is None:
       self.costs = self.measured[str(B)] = self.measure(state, B, S)
+    self._see_confidence(state)
     rates = self.predicted_rates(state, B)
-    best = max(rates, key=rates.get)
-    if rates[best] < AR_MARGIN * rates[("ar", 0)]:
-      best = ("ar", 0)
+    best = max((c for c in rates if c[0] != "ar"), key=rates.get)
+    ar_rate, best_rate = rates[("ar", 0)], rates[best]
+    self.probing = False
+    if best_rate < AR_MARGIN * ar_rate:
+      # Not worth it by the estimate; probe it now and then if it came close.
+      self.explore_ar = best_rate >= EXPLORE * AR_MARGIN * ar_rate
+      if self.explore_ar and self.ar_since_probe >= self.ar_stretch:
+        self.probing, self.ar_since_probe = True, 0
+        self.ar_stretch *= 2
+      else:
+        best = ("ar", 0)
+    else:
+      self.ar_stretch, self.ar_since_probe = AR_STRETCH, 0
     name = lambda m, kk: f"{m}:{kk}" if kk else m
     self.choices[str(B)] = {
         "choice": list(best),
@@ -168,8 +210,17 @@ class FlexPolicy:
         "measured_tokens_per_s": {name(m, kk): round(r[2] / r[1], 2)
                                   for (m, kk), r in self.realized.get(B, {}).items()
                                   if r[1] > 0},
-        "cost_scale": {m: round(self.cost_scale(B, m), 3) for m in ("ar",) + self.modes}}
+        "cost_scale": {m: round(self.cost_scale(B, m), 3) for m in ("ar",) + self.modes},
+        "probe": self.probing}
     return best
+
+  def _see_confidence(self, state):
+    """Adds the live rows' mean draft confidence per slot to the decayed mean."""
+    conf = np.asarray(state.conf_BxD, np.float64)
+    live = ~np.asarray(state.done_B)
+    c = conf[live].mean(0) if live.any() else conf.mean(0)
+    self.conf_sum = ACCEPT_DECAY * self.conf_sum + np.concatenate([[1.0], c])
+    self.conf_n = ACCEPT_DECAY * self.conf_n + 1.0
 
   def predicted_rates(self, state, B: int = 0) -> dict:
     """{(mode, k): predicted tokens per second per row} for AR and every bucket:
@@ -183,18 +234,19 @@ class FlexPolicy:
     return rates
 
   def tau_by_length(self, state) -> dict:
-    """{k: predicted τ(k)} from the per-slot acceptance rates (module doc)."""
-    conf = np.asarray(state.conf_BxD, np.float64)
-    live = ~np.asarray(state.done_B)
-    c = np.concatenate([[1.0], conf[live].mean(0) if live.any() else conf.mean(0)])
-    seen = self.verified >= MIN_VERIFIED
-    # How well confidence has predicted acceptance where both are known.
-    scale = 1.0
-    if seen[1:].any():
-      want = float((self.verified[seen] * c[seen]).sum())
-      scale = float(np.clip(self.accepted[seen].sum() / max(want, 1e-9), 0.25, 4.0))
-    r = np.where(seen, self.accepted / np.maximum(self.verified, 1),
-                 np.clip(scale * c, 0.0, 1.0))
+    """{k: predicted τ(k)} from the per-slot acceptance rates (module doc):
+    each slot's verified counts, plus PRIOR_WEIGHT pseudo-steps of its mean
+    draft confidence scaled by how well confidence has predicted acceptance
+    (the only estimate for slots never verified)."""
+    if self.conf_n == 0:
+      self._see_confidence(state)
+    c = self.conf_sum / self.conf_n
+    scale, v = 1.0, self.verified[1:]
+    if v.sum() >= PRIOR_WEIGHT:
+      want = float((v * c[1:]).sum())
+      scale = float(np.clip(self.accepted[1:].sum() / max(want, 1e-9), 0.25, 4.0))
+    prior = np.clip(scale * c, 0.0, 1.0)
+    r = (self.accepted + PRIOR_WEIGHT * prior) / (self.verified + PRIOR_WEIGHT)
     survive = np.cumprod(r[1:])  # P(slots 1..i all accepted)
     return {k: 1.0 + float(survive[:k - 1].sum()) for k in self.buckets}
 
@@ -220,11 +272,14 @@ class FlexPolicy:
     print(f"flex: timing {len(plan)} step variants at batch {B} once (kept in "
           f"{where})", file=sys.stderr, flush=True)
     import tqdm
-    timed = {}
-    for mode, k in tqdm.tqdm(plan, desc="flex step costs", leave=False,
-                             disable=len(plan) < 4 or not sys.stderr.isatty()):
-      timed[(mode, k)] = self.time_step(state, mode, k)
-      self.compiled.add((B, mode, k))
+    # Round-robin, best of TIMING_ROUNDS per variant: a slow spell of a shared
+    # CPU then slows one round of every variant, not all rounds of one.
+    timed = {v: float("inf") for v in plan}
+    for _ in tqdm.trange(TIMING_ROUNDS, desc="flex step costs", leave=False,
+                         disable=not sys.stderr.isatty()):
+      for mode, k in plan:
+        timed[(mode, k)] = min(timed[(mode, k)], self.time_step(state, mode, k))
+        self.compiled.add((B, mode, k))
     costs = {"ar": timed[("ar", 0)], "measured_k": ends}
     for mode in self.modes:
       xs = np.array(ends, float)
