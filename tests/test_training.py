@@ -479,6 +479,24 @@ def test_regenerate_cli_answers_greedily_and_resumes(tmp_path, target, fixture_d
     regenerate.regenerate(cfg)
 
 
+def test_regenerate_parts_split_the_mix(tmp_path, fixture_data, monkeypatch):
+  # Two processes with data.part 0/2 and 1/2 answer disjoint prompts that
+  # together are the whole mix.
+  from flexdraft_jax.training import regenerate
+  monkeypatch.setenv("FLEXDRAFT_DATA", fixture_data)
+  uids = []
+  for i in range(2):
+    cfg = tiny.tiny_config(str(tmp_path / f"p{i}"))
+    cfg.data.max_new_tokens = 2
+    cfg.data.mix = dict(gsm8k=4, mbpp=2, arena_hard_v01=0, arena_hard_v20=0)
+    cfg.data.part = f"{i}/2"
+    regenerate.regenerate(cfg)
+    uids.append({r.uid for r in data.load_records(cfg.data.regen_dir)})
+  whole = {p.uid for p in data.load_prompts(cfg.data)}
+  assert uids[0] and uids[1] and not uids[0] & uids[1]
+  assert uids[0] | uids[1] == whole and len(whole) == 6
+
+
 def test_metrics_log_csv_and_tensorboard(tmp_path):
   import csv
   from flexdraft_jax.training.metrics_log import MetricsLog
