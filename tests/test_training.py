@@ -170,7 +170,7 @@ def test_precomputed_deep_kv_gives_the_same_loss(regen, target):
   k, v = loss_lib.deep_kv(target.params, target.config, batch["tokens_BxT"], 2)
   assert k.shape == (3, 2, target.config.num_kv_heads, 40, target.config.head_dim)
   loss, m = f(batch)
-  loss2, m2 = f(dict(batch, deep_k=k, deep_v=v))
+  loss2, m2 = f(dict(batch, **loss_lib.deep_kv_entries(k, v)))
   np.testing.assert_allclose(loss2, loss, rtol=1e-6)
   assert float(m2["tau"]) == float(m["tau"])
 

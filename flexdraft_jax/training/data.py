@@ -374,9 +374,11 @@ class Packer:
   def batch(self, indices, keys) -> dict:
     rows = [self.example(self.records[i], k) for i, k in zip(indices, keys)]
     out = {k: np.stack([r[k] for r in rows]) for k in rows[0]}
-    if self.deep_kv is not None:
-      out["deep_k"] = self.deep_kv[0][np.asarray(indices)]
-      out["deep_v"] = self.deep_kv[1][np.asarray(indices)]
+    if self.deep_kv is not None:  # per layer, as loss.deep_kv_entries lays them out
+      idx = np.asarray(indices)
+      for c, kv in zip("kv", self.deep_kv):
+        for l in range(kv.shape[1]):
+          out[f"deep_{c}{l}"] = kv[idx, l]
     return out
 
   def train_indices(self, step: int, batch_size: int) -> tuple:

@@ -55,10 +55,21 @@ def deep_kv(target_params, cfg: ModelConfig, tokens_BxT, num_draft_layers: int, 
   return tuple(jnp.moveaxis(c[s:], 0, 1) for c in (cache.k, cache.v))
 
 
-def _cache_from_deep(k_BxLxKxTxD, v_BxLxKxTxD):
-  """The deep layers' KVCache `[L, B, K, T, D]` (a mask-only pass reads no other)."""
-  return transformer.KVCache(jnp.moveaxis(k_BxLxKxTxD, 1, 0),
-                             jnp.moveaxis(v_BxLxKxTxD, 1, 0))
+def deep_kv_entries(k_BxLxKxTxD, v_BxLxKxTxD) -> dict:
+  """Batch entries of precomputed clean K/V (`deep_kv`'s output): `deep_k{l}`
+  and `deep_v{l}`, one contiguous `[B, K, T, D]` array per deep layer, which a
+  step reads in place (slicing `[B, L, ...]` in the step copies it)."""
+  return {f"deep_{c}{l}": x[:, l] for c, x in (("k", k_BxLxKxTxD), ("v", v_BxLxKxTxD))
+          for l in range(x.shape[1])}
+
+
+def _cache_from_deep(batch, cfg: ModelConfig, num_draft_layers: int, dtype):
+  """The deep layers' KVCache from the batch's `deep_k{l}`/`deep_v{l}`: per-layer
+  arrays, None for the shallow layers (a mask-only pass reads no other)."""
+  s = cfg.num_layers - num_draft_layers
+  layers = lambda c: tuple([None] * s + [batch[f"deep_{c}{l}"].astype(dtype)
+                                         for l in range(num_draft_layers)])
+  return transformer.KVCache(layers("k"), layers("v"))
 
 
 def loss_sums(draft_params, target_params, cfg: ModelConfig, dcfg: DrafterConfig,
@@ -80,11 +91,13 @@ def loss_sums(draft_params, target_params, cfg: ModelConfig, dcfg: DrafterConfig
       lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x,
       draft_params)
 
-  if "deep_k" in batch:  # clean K/V computed ahead of time (see deep_kv)
+  if "deep_k0" in batch:  # clean K/V computed ahead of time (see deep_kv_entries)
     if loss_type == "kl":
       raise ValueError("loss_type='kl' needs the clean pass (no precomputed K/V)")
     h_clean = None
-    cache = _cache_from_deep(batch["deep_k"].astype(dtype), batch["deep_v"].astype(dtype))
+    cache = _cache_from_deep(batch, cfg, dcfg.num_layers, dtype)
+    if not transformer.is_per_layer(target_params):
+      target_params = transformer.deep_layers_view(target_params, dcfg.num_layers)
   else:
     h_clean, cache = clean_pass(target_params, cfg, tokens, attn_impl=attn_impl)
   masks = mask_rows(anchor, bs)

@@ -34,7 +34,7 @@ from flexdraft_jax.drafter import checkpoint as drafter_ckpt
 from flexdraft_jax.drafter.model import (Drafter, DrafterConfig, init_draft_params,
                                          trainable)
 from flexdraft_jax.model.config import FlexDraftError
-from flexdraft_jax.model import loading
+from flexdraft_jax.model import loading, transformer
 from flexdraft_jax.training import data, loss as loss_lib, sharding
 from flexdraft_jax.training.config import check_train_config
 from flexdraft_jax.training.metrics_log import MetricsLog
@@ -209,6 +209,12 @@ def _setup(config, workdir=None):
                                     tc, rep, name)  # (rows) -> (k, v)
         kv_dir = tc.deep_kv_dir or (workdir and os.path.join(workdir, "deep_kv"))
         p.deep_kv = _cached_deep_kv(kv_dir, name, target.fingerprint, p, dcfg, compute)
+    # The steps read the deep layers only: their weights as separate arrays,
+    # sliced once here rather than in every step.
+    target_params = jax.jit(functools.partial(transformer.deep_layers_view,
+                                              num_draft_layers=dcfg.num_layers))(
+                                                  target_params)
+    shardings_["target"] = jax.tree.map(lambda x: x.sharding, target_params)
   steps = make_steps(cfg, dcfg, tx, schedule, tc, shardings_, mesh,
                      jax.device_put(fixed, rep))
   # Keep only what exports need; the params now live in `target_params`.
