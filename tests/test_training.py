@@ -17,6 +17,7 @@ from tests import data_fixture, tiny  # noqa: E402
 from flexdraft_jax.drafter import checkpoint as drafter_ckpt  # noqa: E402
 from flexdraft_jax.drafter.model import DrafterConfig, init_draft_params  # noqa: E402
 from flexdraft_jax.model import transformer  # noqa: E402
+from flexdraft_jax.model.config import FlexDraftError  # noqa: E402
 from flexdraft_jax.training import data, loss as loss_lib, sharding, train  # noqa: E402
 from flexdraft_jax.paths import data_root  # noqa: E402
 
@@ -495,6 +496,18 @@ def test_regenerate_parts_split_the_mix(tmp_path, fixture_data, monkeypatch):
   whole = {p.uid for p in data.load_prompts(cfg.data)}
   assert uids[0] and uids[1] and not uids[0] & uids[1]
   assert uids[0] | uids[1] == whole and len(whole) == 6
+  # merged into one dir: every answer once; merging again adds nothing
+  p0, p1 = str(tmp_path / "p0"), str(tmp_path / "p1")
+  assert data.merge_regen(p0, p1) == len(uids[1])
+  assert data.merge_regen(p0, p1) == 0
+  merged = data.load_records(p0)
+  assert sorted(r.uid for r in merged) == sorted(whole)
+  cfg.target = "random:tiny:1"  # another target's answers do not merge
+  other = str(tmp_path / "other")
+  cfg.data.regen_dir, cfg.data.part = other, ""
+  regenerate.regenerate(cfg)
+  with pytest.raises(FlexDraftError, match="cannot merge .* target_fingerprint"):
+    data.merge_regen(p0, other)
 
 
 def test_metrics_log_csv_and_tensorboard(tmp_path):

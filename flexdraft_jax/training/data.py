@@ -237,6 +237,31 @@ def unpack_regen(path: str, regen_dir: str) -> int:
   return len(out)
 
 
+def merge_regen(dst_dir: str, src_dir: str) -> int:
+  """Adds the answers of `src_dir` that `dst_dir` lacks, as one new shard (e.g.
+  the parts of a regeneration split with `data.part`), and rebuilds the tfds
+  dataset; both must hold the same target's answers with the same settings.
+  Returns the number of records added."""
+  metas = []
+  for d in (dst_dir, src_dir):
+    path = os.path.join(d, "meta.json")
+    if not os.path.isfile(path):
+      raise FlexDraftError(f"no regenerated answers in {d} (no meta.json)")
+    with open(path) as f:
+      metas.append(json.load(f))
+  for key in ("target_fingerprint", "max_new_tokens", "chat_kwargs"):
+    if metas[0].get(key) != metas[1].get(key):
+      raise FlexDraftError(f"cannot merge {src_dir} into {dst_dir}: {key} "
+                           f"{metas[1].get(key)!r} vs {metas[0].get(key)!r}")
+  done = {r["uid"] for r in read_shards(dst_dir)}
+  new = [r for r in read_shards(src_dir) if r["uid"] not in done]
+  new = list({r["uid"]: r for r in new}.values())
+  if new:
+    write_shard(dst_dir, next_shard_index(dst_dir), new)
+    build_dataset(dst_dir)
+  return len(new)
+
+
 @dataclasses.dataclass
 class Record:
   uid: str
