@@ -9,11 +9,14 @@ times each part by itself, through the library's own functions, on a decode
 state made by real decoding (a GSM8K-style prompt, the chat template):
   forward_k{k}        the target over k positions + LM head + argmax
   body_k1             the same at k = 1 without the LM head
-  lm_head_k{k}        the LM head alone on k positions ([k, H] x [H, V])
+  lm_head_k{k}        the greedy LM head alone on k positions, as decoding runs
+                      it (transformer.greedy_tokens: a [V, k] product + argmax)
+  lm_head_logits_k{k} the same through [k, V] logits (how it ran before)
   draft_pass          deep layers over the mask block + draft head + calibration
   step_ar, step_seq_k{k}   one whole step of the jitted decode loop
-On a CPU the LM head is a memory-bound matrix-vector product at k = 1 and a
-much slower small matrix-matrix product from k = 2 on; compare `lm_head_k*`.
+On a CPU the LM head is a memory-bound matrix-vector product at k = 1; from
+k = 2 on the [k, V] product is a much slower small matrix-matrix product, which
+the [V, k] form avoids in part; compare `lm_head_k*` and `lm_head_logits_k*`.
 """
 
 from __future__ import annotations
@@ -82,7 +85,7 @@ def main(argv):
     pos = st.length_B[:, None] + jnp.arange(k)[None]
     h, _, cache = transformer.forward(tp, cfg, st.cache, block, pos, kv_block=KV_BLOCK)
     first_cache = jax.tree.leaves(cache)[0]
-    return (transformer.logits(tp, cfg, h).argmax(-1) if head else h), first_cache
+    return (transformer.greedy_tokens(tp, cfg, h) if head else h), first_cache
 
   def draft_pass(tp, dp, st):
     return verify.refresh_drafts(tp, cfg, Drafter(dcfg, dp), st, sp=sp).drafts_BxD
@@ -96,7 +99,9 @@ def main(argv):
   for k in ks:
     out[f"forward_k{k}"] = ms(functools.partial(forward, k=k, head=True), tp, state)
     h = jnp.zeros((B, k, cfg.hidden_size), jnp.float32)
-    out[f"lm_head_k{k}"] = ms(lambda tp, h: transformer.logits(tp, cfg, h).argmax(-1), tp, h)
+    out[f"lm_head_k{k}"] = ms(lambda tp, h: transformer.greedy_tokens(tp, cfg, h), tp, h)
+    out[f"lm_head_logits_k{k}"] = ms(lambda tp, h: transformer.logits(tp, cfg, h).argmax(-1),
+                                     tp, h)
   out["draft_pass"] = ms(draft_pass, tp, dp, state)
   out["step_ar"] = ms(functools.partial(step, mode="ar", k=0), tp, dp, state)
   for k in ks:
