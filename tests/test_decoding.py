@@ -343,9 +343,35 @@ def _driver(bs=8, verify_len=None):
   return flex.FlexPolicy(None, drafter, opts, buckets, time_step=None)
 
 
-def _conf_state(conf):
-  conf = np.asarray(conf, np.float32)[None]
-  return types.SimpleNamespace(conf_BxD=conf, done_B=np.zeros(1, bool))
+def _conf_state(conf, n_out=None):
+  conf = np.asarray(conf, np.float32)
+  conf = conf[None] if conf.ndim == 1 else conf
+  B = conf.shape[0]
+  n_out = np.zeros(B, np.int32) if n_out is None else np.asarray(n_out, np.int32)
+  return types.SimpleNamespace(conf_BxD=conf, done_B=np.zeros(B, bool), n_out_B=n_out)
+
+
+def test_row_tau_is_what_the_batch_s_last_row_gains():
+  # A batch ends with its slowest row: a speculative step is worth what it
+  # gains the row with the most steps left, not the rows' average.
+  d = _driver()
+  d.max_new = 64
+  same = _conf_state([[0.5] * 7] * 2)
+  assert d.row_tau(same, 2.0) == pytest.approx(2.0)  # alike rows: τ(k) itself
+  assert d.row_tau(_conf_state([0.9] * 7), 2.5) == 2.5  # one row: τ(k)
+  # row 1 drafts with lower confidence: it sets the pace (τ_i = 1 + (τ - 1) g_i)
+  mixed = _conf_state([[0.8] * 7, [0.2] * 7])
+  tc = 1 + np.cumprod(np.array([[0.8] * 7, [0.2] * 7]), axis=1).sum(1)
+  g = (tc - 1) / (tc.mean() - 1)
+  assert d.row_tau(mixed, 2.0) == pytest.approx(1 + g[1])
+  # after speculative chunks, rows' own progress replaces the confidence: row 0
+  # made 3 tokens a step, row 1 one; row 1 also has the most tokens left
+  d.row_tok, d.row_steps = np.array([24.0, 8.0]), np.array([8.0, 8.0])
+  ahead = _conf_state([[0.5] * 7] * 2, n_out=[40, 16])
+  tau_i = 1 + (2.0 - 1) * np.clip((np.array([3.0, 1.0]) - 1) / (2.0 - 1), 0, 3)
+  left = np.array([24, 48])
+  assert d.row_tau(ahead, 2.0) == pytest.approx(left.max() / (left / tau_i).max())
+  assert d.row_tau(ahead, 2.0) == pytest.approx(1.0)  # row 1 gains nothing
 
 
 def test_tau_by_length_from_counts_and_confidence():
@@ -396,7 +422,8 @@ def test_flex_probes_speculation_again_after_ar_when_it_came_close():
   # AR runs until the next probe is due, then one short probe chunk
   assert d.chunk_steps(1, "ar", 0, 1000) == flex.AR_STRETCH
   assert not d.sticky_ar("sequential") and d.sticky_ar("ar")
-  d.observe(np.zeros(9), "ar", 0, B=1, steps=flex.AR_STRETCH, seconds=1.0)
+  d.observe(np.zeros(9), "ar", 0, B=1, steps=flex.AR_STRETCH,
+            seconds=float(flex.AR_STRETCH))  # AR as fast as timed
   assert not d.sticky_ar("ar")
   assert d.choose(close, 1, 2, B=1, S=64) == ("sequential", 2)
   assert d.stats()["flex_choices"]["1"]["probe"]
@@ -410,7 +437,7 @@ def test_flex_probes_speculation_again_after_ar_when_it_came_close():
   d2.modes, d2.costs = d.modes, {"ar": 1.0, "sequential": {"2": 2.0}}
   assert d2.choose(far, 1, 2, B=1, S=64) == ("ar", 0)
   assert d2.chunk_steps(1, "ar", 0, 1000) == 1000
-  d2.observe(np.zeros(9), "ar", 0, B=1, steps=1000, seconds=1.0)
+  d2.observe(np.zeros(9), "ar", 0, B=1, steps=1000, seconds=1000.0)
   assert d2.sticky_ar("ar")
 
 
@@ -423,8 +450,8 @@ def test_flex_corrects_step_costs_with_what_chunks_took():
   assert mode != "ar"
   hist = np.zeros(9, np.int64)
   hist[1] = 16  # 16 row-steps, one token each
-  # The first chunk of a variant may include compiling: it does not count.
-  d.observe(hist, mode, k, B=1, steps=16, seconds=1000.0)
+  # A chunk during which something compiled does not count.
+  d.observe(hist, mode, k, B=1, steps=16, seconds=1000.0, compiled=True)
   assert d.cost_scale(1, mode) == 1.0
   # Then the chunks take 3x what the measured cost predicted: flex falls back.
   d.observe(hist, mode, k, B=1, steps=16, seconds=3 * 16 * d.costs[mode][str(k)])
@@ -458,15 +485,18 @@ def test_flex_falls_back_to_ar_when_speculation_is_slower_than_timed(
   prompts = prompts_for(1, seed=11)
   drafter = random_drafter(target, block_size=4, noise=0.5)
   ref = fd.generate(target, prompts, max_new_tokens=80)
-  out = fd.generate(target, prompts, max_new_tokens=80, drafter=drafter, mode="flex",
-                    verify_len=2)  # one bucket: its first chunk is the only untimed one
-  assert_lossless(target, prompts, ref.token_ids, out.token_ids)
-  # two short probe chunks of speculation (the first may compile, so only the
-  # second is timed), then AR to the end: the real steps cost far more than 1 µs.
-  assert [m for m, _ in out.stats["mode_steps"]] == ["sequential", "ar"]
-  assert out.stats["mode_steps"][0][1] == 2 * flex.PROBE_STEPS
-  (why,) = out.stats["flex_choices"].values()
-  assert why["choice"] == ["ar", 0] and why["cost_scale"]["sequential"] > 100
+  # one bucket; a cache length no other test uses, so the first chunk compiles
+  kw = dict(max_new_tokens=80, drafter=drafter, mode="flex", verify_len=2, max_len=448)
+  for probe_chunks in (3, 2):
+    out = fd.generate(target, prompts, **kw)
+    assert_lossless(target, prompts, ref.token_ids, out.token_ids)
+    # short probe chunks of speculation until MIN_TIMED steps ran without
+    # compiling (the first chunk of the cold run compiles), then AR to the
+    # end: the real steps cost far more than 1 µs.
+    assert [m for m, _ in out.stats["mode_steps"]] == ["sequential", "ar"]
+    assert out.stats["mode_steps"][0][1] == probe_chunks * flex.PROBE_STEPS
+    (why,) = out.stats["flex_choices"].values()
+    assert why["choice"] == ["ar", 0] and why["cost_scale"]["sequential"] > 100
 
 
 def test_step_cost_cache_location_and_failures(target, tmp_path, monkeypatch):

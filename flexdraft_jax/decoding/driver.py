@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from flexdraft_jax.decoding import chunk, flex
+from flexdraft_jax.decoding import chunk, flex, timing
 from flexdraft_jax.util import round_up
 
 # Once at most half the rows of a batch of at least COMPACT_MIN are live, the
@@ -72,6 +72,8 @@ class Driver:
   def run(self, state, max_new: int):
     """Runs to the end; returns the final state (rows in `self.row_ids` order)."""
     steps = int(state.steps)
+    if self.policy:
+      self.policy.max_new = max_new
     while True:
       done = np.asarray(state.done_B)
       if done.all():
@@ -94,13 +96,15 @@ class Driver:
         n = self.policy.chunk_steps(self.B, mode, k, n)
       before = np.asarray(state.accept_hist) if self.policy else None
       start, refresh = time.perf_counter(), self._refreshes(mode)
+      wall = timing.now()
       state = self._chunk(state, mode, k, n)
       done_steps, steps = int(state.steps) - steps, int(state.steps)  # waits for it
       if self.policy:
         # A chunk that also refreshed stale drafts is not a plain (mode, k) step.
         self.policy.observe(np.asarray(state.accept_hist) - before, mode, k, B=self.B,
                             steps=0 if refresh else done_steps,
-                            seconds=time.perf_counter() - start)
+                            seconds=time.perf_counter() - start,
+                            compiled=bool(timing.compile_spans(wall, timing.now())))
       self._record(mode, k, done_steps)
 
   def _choose(self, state, live: int, groups: int) -> tuple:

@@ -18,7 +18,10 @@ mode's costs, so a mode slower than timed falls back to AR at the next choice;
 until a (mode, k) has timed steps at this batch shape its chunks are short
 (`PROBE_STEPS`), so a wrong first choice costs a few steps. AR learns nothing
 about acceptance, so where speculation came close flex probes it again after
-`AR_STRETCH` AR steps, then after twice as many, and so on.
+`AR_STRETCH` AR steps, then after twice as many, and so on. A batch ends with
+its slowest row, so at B > 1 the τ that counts is what a speculative step
+gains the row with the most steps left (`row_tau`: each row's own progress in
+speculative steps, or its drafts' confidence, and its tokens left).
 The measured costs are kept in a JSON file (see `cost_cache_path`) and in memory.
 """
 
@@ -36,7 +39,9 @@ import numpy as np
 # Pseudo-row-steps of the confidence-based prior in each slot's acceptance
 # rate: a slot verified n times weighs its own count n / (n + PRIOR_WEIGHT).
 PRIOR_WEIGHT = 8
-MIN_TIMED = 4     # decoding steps of a mode before their wall time corrects its costs
+# Decoding steps of a mode before their wall time corrects its costs (and before
+# its chunks grow from probes to full length): two probe chunks.
+MIN_TIMED = 8
 # A speculative (mode, k) runs only if its predicted tokens/s is at least this
 # times AR's: step timings on a shared CPU vary by ~10 %, and AR is the safe side.
 AR_MARGIN = 1.05
@@ -101,10 +106,9 @@ class FlexPolicy:
     self.accepted = np.zeros(bs)
     self.choices = {}              # batch rows -> the last choice and its prediction
     self.measured = {}             # batch rows -> step costs ("auto")
-    # Batch rows -> {(mode, k): [steps, seconds, tokens]} of decoding chunks whose
-    # variant was already compiled (a first chunk may include compiling).
+    # Batch rows -> {(mode, k): [steps, seconds, tokens]} of decoding chunks
+    # during which nothing compiled.
     self.realized = {}
-    self.compiled = set()          # (batch rows, mode, k) run or timed once
     # Mean draft confidence per slot over recent choices (decayed), the prior
     # of slots with few verifications.
     self.conf_sum, self.conf_n = np.zeros(bs), 0.0
@@ -112,12 +116,20 @@ class FlexPolicy:
     self.ar_since_probe = 0
     self.probing = False           # the running chunk is a probe
     self.explore_ar = False        # AR was chosen with speculation close behind
+    # Per-row progress: a batch finishes with its slowest row, so a speculative
+    # step is worth what it gains the row that will finish last (see row_tau).
+    self.max_new = None            # each row's token budget (set by the driver)
+    self.row_tok = self.row_steps = None  # decayed tokens / steps in speculative chunks
+    self._prev_n_out = None
+    self._last_chunk = ("ar", 0)
     self.timing_spans = []         # (start, end) wall time of step-cost measurements
 
   def observe(self, delta_hist, mode: str, k: int, B: int = 0, steps: int = 0,
-              seconds: float = 0.0):
+              seconds: float = 0.0, compiled: bool = False):
     """A chunk at (mode, k) on B rows: its accepted-length histogram (index
-    a + 1), and the `steps` it ran in `seconds` of wall time."""
+    a + 1), and the `steps` it ran in `seconds` of wall time; a chunk during
+    which JAX compiled something (`compiled`) says nothing about step costs."""
+    self._last_chunk = (mode, steps)
     if mode == "ar":  # τ comes from speculative steps only
       self.ar_hist = self.ar_hist + delta_hist
       self.ar_since_probe += steps
@@ -125,10 +137,7 @@ class FlexPolicy:
       self.verified = self.verified * ACCEPT_DECAY
       self.accepted = self.accepted * ACCEPT_DECAY
       self.count_acceptance(delta_hist, k)
-    if steps <= 0:
-      return
-    if (B, mode, k) not in self.compiled:  # its time may include compiling
-      self.compiled.add((B, mode, k))
+    if steps <= 0 or compiled:
       return
     tokens = int((np.arange(len(delta_hist)) * delta_hist).sum())
     row = self.realized.setdefault(B, {}).setdefault((mode, k), [0, 0.0, 0])
@@ -179,6 +188,46 @@ class FlexPolicy:
 
   def shape_changed(self):
     self.costs = None  # step costs depend on the batch
+    self.row_tok = self.row_steps = self._prev_n_out = None  # the rows moved
+
+  def _see_rows(self, state):
+    """Adds each live row's tokens over the last chunk, if it was speculative."""
+    n_out = np.asarray(state.n_out_B)
+    live = ~np.asarray(state.done_B)
+    if self.row_tok is None or len(self.row_tok) != len(n_out):
+      self.row_tok, self.row_steps = np.zeros(len(n_out)), np.zeros(len(n_out))
+      self._prev_n_out = None
+    mode, steps = self._last_chunk
+    if self._prev_n_out is not None and mode != "ar" and steps > 0:
+      self.row_tok *= ACCEPT_DECAY
+      self.row_steps *= ACCEPT_DECAY
+      self.row_tok[live] += (n_out - self._prev_n_out)[live]
+      self.row_steps[live] += steps
+    self._prev_n_out = n_out.copy()
+
+  def row_tau(self, state, tau_k: float) -> float:
+    """The τ that speeds up the batch's finish: each live row's τ is τ(k)
+    scaled by how it accepts relative to the others (its tokens per
+    speculative step where it has PROBE_STEPS of them, else its drafts'
+    confidence), and the batch ends when the row with the most steps left
+    does: max_i R_i / max_i (R_i / τ_i), R_i its tokens left (one row: τ(k))."""
+    live = ~np.asarray(state.done_B)
+    if live.sum() <= 1 or tau_k <= 1.0:
+      return tau_k
+    conf = np.asarray(state.conf_BxD, np.float64)[live]
+    tc = 1.0 + np.cumprod(conf, axis=1).sum(1)
+    g = (tc - 1.0) / max(tc.mean() - 1.0, 1e-9)
+    if self.row_tok is not None and len(self.row_tok) == len(live):
+      steps, tok = self.row_steps[live], self.row_tok[live]
+      have = steps >= PROBE_STEPS
+      if have.any():
+        p = tok[have] / steps[have]
+        g[have] = (p - 1.0) / max(p.mean() - 1.0, 1e-9)
+    tau_i = 1.0 + (tau_k - 1.0) * np.clip(g, 0.0, 3.0)
+    n_out = np.asarray(state.n_out_B)[live]
+    left = (np.maximum(self.max_new - n_out, 1) if self.max_new
+            else np.ones(len(n_out)))
+    return float(left.max() / (left / tau_i).max())
 
   def choose(self, state, live: int, k: int, B: int, S: int) -> tuple:
     """(mode, k) for the next chunk at batch B (`live` rows live); `k` is the
@@ -189,6 +238,7 @@ class FlexPolicy:
     if self.costs is None:
       self.costs = self.measured[str(B)] = self.measure(state, B, S)
     self._see_confidence(state)
+    self._see_rows(state)
     rates = self.predicted_rates(state, B)
     best = max((c for c in rates if c[0] != "ar"), key=rates.get)
     ar_rate, best_rate = rates[("ar", 0)], rates[best]
@@ -230,7 +280,7 @@ class FlexPolicy:
     for mode in self.modes:
       scale = self.cost_scale(B, mode)
       for k in self.buckets:
-        rates[(mode, k)] = tau[k] / (self.costs[mode][str(k)] * scale)
+        rates[(mode, k)] = self.row_tau(state, tau[k]) / (self.costs[mode][str(k)] * scale)
     return rates
 
   def tau_by_length(self, state) -> dict:
@@ -279,7 +329,6 @@ class FlexPolicy:
                          disable=not sys.stderr.isatty()):
       for mode, k in plan:
         timed[(mode, k)] = min(timed[(mode, k)], self.time_step(state, mode, k))
-        self.compiled.add((B, mode, k))
     costs = {"ar": timed[("ar", 0)], "measured_k": ends}
     for mode in self.modes:
       xs = np.array(ends, float)
