@@ -37,8 +37,8 @@ def get_config():
   c.data.max_prompt_tokens = 192
   c.data.max_new_tokens = 256
   c.data.batch_size = 32
-  # 5,824 answers (1.14 M tokens; 2,176 regenerated at 375ece5, 736 on 2026-11-30,
-  # 2,912 GSM8K on 2026-12-01), shipped in the repository
+  # 6,976 answers (1.36 M tokens; 2,176 regenerated at 375ece5, 736 on 2026-11-30,
+  # 4,064 GSM8K on 2026-12-01), shipped in the repository
   c.data.packed = os.path.join(REPO, "datasets", "smollm2_135m", "regen.npz")
   c.data.source_weights.gsm8k = 2  # lean on math and code (the A/B: no loss overall)
   c.data.source_weights.mbpp = 2
