@@ -304,50 +304,40 @@ def forward(params, cfg: ModelConfig, cache: KVCache,
   if masks is None:
     return h, None, KVCache(ck, cv)
 
-  # A mask-only pass may get the cache of the deep layers alone (training),
-  # stacked or as per-layer arrays.
-  per_layer_cache = isinstance(ck, (list, tuple))
-  cached_layers = len(ck) if per_layer_cache else ck.shape[0]
-  offset = n - cached_layers
+  # A mask-only pass may get the cache of the deep layers alone (training).
+  offset = n - ck.shape[0]
   if offset and (clean or offset > s):
-    raise ValueError(f"a cache of {cached_layers} layers serves only a mask-only pass "
+    raise ValueError(f"a cache of {ck.shape[0]} layers serves only a mask-only pass "
                      f"over the last {n - s} layers")
+  if not clean:
+    # Training's mask-only pass runs the few deep layers as the per-layer loop
+    # above: under a gradient a scan stacks each layer's residuals (its cache
+    # slice, attention weights) into fresh [L, ...] buffers every step.
+    per_layer = lambda c: tuple([None] * s + [c[i - offset] for i in range(s, n)])
+    return forward(deep_layers_view(params, n - s), cfg,
+                   KVCache(per_layer(ck), per_layer(cv)), None, None, draft=draft,
+                   masks=masks, num_draft_layers=n - s, attn_impl=attn_impl,
+                   kv_block=kv_block)
+
+  def deep(carry, i):
+    h, hm, ck, cv = carry
+    h, hm, ck, cv = step(lp=_layer(layers, i), dp=_layer(draft["layers"], i - s),
+                         h_BxTxH=h, hm_BxMxH=hm, ck=ck, cv=cv, layer=i - offset)
+    return (h, hm, ck, cv), None
 
   hm = mask_input(params, draft, masks, h.dtype)
-  if clean:  # the same scan as the shallow layers: clean rows bit-identical to a plain pass
-    def deep(carry, i):
-      h, hm, ck, cv = carry
-      h, hm, ck, cv = step(lp=_layer(layers, i), dp=_layer(draft["layers"], i - s),
-                           h_BxTxH=h, hm_BxMxH=hm, ck=ck, cv=cv, layer=i - offset)
-      return (h, hm, ck, cv), None
-
-    (h, hm, ck, cv), _ = jax.lax.scan(deep, (h, hm, ck, cv), jnp.arange(s, n))
-    return h, hm, KVCache(ck, cv)
-  # A mask-only pass (training) runs the few deep layers as a Python loop: under
-  # a gradient a scan stacks each layer's residuals (its cache slice, attention
-  # weights) into fresh [L, ...] buffers every step.
-  ck, cv = (list(ck), list(cv)) if per_layer_cache else (ck, cv)
-  for i in range(s, n):
-    kw = dict(lp=_layer(layers, i), dp=_layer(draft["layers"], i - s), h_BxTxH=h,
-              hm_BxMxH=hm)
-    if per_layer_cache:
-      j = i - offset
-      h, hm, ck[j], cv[j] = step(ck=ck[j], cv=cv[j], layer=None, **kw)
-    else:
-      h, hm, ck, cv = step(ck=ck, cv=cv, layer=i - offset, **kw)
-  if per_layer_cache:
-    ck, cv = tuple(ck), tuple(cv)
-  return None, hm, KVCache(ck, cv)
+  (h, hm, ck, cv), _ = jax.lax.scan(deep, (h, hm, ck, cv), jnp.arange(s, n))
+  return h, hm, KVCache(ck, cv)
 
 
 def deep_layers_view(params, num_draft_layers: int) -> dict:
   """`params` with per-layer weights for the last `num_draft_layers` layers
   only (the shallow ones None): all a mask-only pass reads. A trainer makes
   it once; slicing stacked weights inside each step copies them every step."""
-  n = jax.tree.leaves(params["layers"])[0].shape[0] if not is_per_layer(params) else len(
-      params["layers"])
+  layers = params["layers"]
+  n = len(layers) if is_per_layer(params) else jax.tree.leaves(layers)[0].shape[0]
   s = n - num_draft_layers
-  return dict(params, layers=[None] * s + [_layer(params["layers"], i) for i in range(s, n)])
+  return dict(params, layers=[None] * s + [_layer(layers, i) for i in range(s, n)])
 
 
 def is_per_layer(params) -> bool:

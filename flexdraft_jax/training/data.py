@@ -237,6 +237,10 @@ def unpack_regen(path: str, regen_dir: str) -> int:
   return len(out)
 
 
+# What answers in one regen dir must share: the target and how it answered.
+REGEN_SETTINGS = ("target_fingerprint", "max_new_tokens", "chat_kwargs")
+
+
 def merge_regen(dst_dir: str, src_dir: str) -> int:
   """Adds the answers of `src_dir` that `dst_dir` lacks, as one new shard (e.g.
   the parts of a regeneration split with `data.part`), and rebuilds the tfds
@@ -249,7 +253,7 @@ def merge_regen(dst_dir: str, src_dir: str) -> int:
       raise FlexDraftError(f"no regenerated answers in {d} (no meta.json)")
     with open(path) as f:
       metas.append(json.load(f))
-  for key in ("target_fingerprint", "max_new_tokens", "chat_kwargs"):
+  for key in REGEN_SETTINGS:
     if metas[0].get(key) != metas[1].get(key):
       raise FlexDraftError(f"cannot merge {src_dir} into {dst_dir}: {key} "
                            f"{metas[1].get(key)!r} vs {metas[0].get(key)!r}")

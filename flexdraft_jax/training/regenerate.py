@@ -41,7 +41,7 @@ def _check_meta(regen_dir: str, meta: dict) -> None:
     return
   with open(path) as f:
     old = json.load(f)
-  for key in ("target_fingerprint", "max_new_tokens", "chat_kwargs"):
+  for key in data.REGEN_SETTINGS:
     if old.get(key) != meta[key]:
       raise FlexDraftError(
           f"{regen_dir} holds answers with {key}={old.get(key)!r}, not "
