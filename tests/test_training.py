@@ -176,6 +176,16 @@ def test_precomputed_deep_kv_gives_the_same_loss(regen, target):
   assert float(m2["tau"]) == float(m["tau"])
 
 
+def _fake_batches(packer, rows, n):
+  """Record u's K for `n` layers is a function of (u, layer), V its negative;
+  two records a batch."""
+  kv = np.array([[[ord(packer.records[i].uid) * 100 + layer] * 3
+                  for layer in range(n)] for i in rows], np.float32)
+  kv = kv.reshape(len(rows), n, 3)
+  for i in range(0, len(rows), 2):
+    yield rows[i:i + 2], kv[i:i + 2], -kv[i:i + 2]
+
+
 def _fake_kv_cache(tmp_path, uids):
   """A packer of records `uids` and a cached(num_layers) that logs what it
   computes: record u's K is a function of (u, layer), V its negative."""
@@ -186,9 +196,7 @@ def _fake_kv_cache(tmp_path, uids):
   def compute_for(n):
     def compute(rows):
       calls.append((n, [packer.records[i].uid for i in rows]))
-      kv = np.array([[[ord(packer.records[i].uid) * 100 + layer] * 3
-                      for layer in range(n)] for i in rows], np.float32)
-      return kv.reshape(len(rows), n, 3), -kv.reshape(len(rows), n, 3)
+      yield from _fake_batches(packer, rows, n)
     return compute
 
   def cached(n, name="train"):
@@ -224,6 +232,29 @@ def test_deep_kv_cache_computes_only_new_records(tmp_path):
   k, _ = cached(2)                        # and now all of it is cached
   assert len(calls) == 2
   np.testing.assert_array_equal(k, expect)
+
+
+def test_deep_kv_cache_resumes_an_interrupted_pass(tmp_path):
+  packer, cached, calls = _fake_kv_cache(tmp_path, "abcdef")
+
+  def interrupted(rows):
+    for i, batch in enumerate(_fake_batches(packer, rows, 3)):
+      if i == 1:
+        raise KeyboardInterrupt
+      yield batch
+
+  with pytest.raises(KeyboardInterrupt):
+    train._cached_deep_kv(str(tmp_path), "train", "fp", packer,
+                          DrafterConfig(num_layers=3), interrupted, flush_every=0.0)
+  assert not (tmp_path / "train.json").exists()     # not a finished cache
+  assert len(json.load(open(tmp_path / "train.tmp.json"))["done"]) == 2
+  k, v = cached(3)                                  # the rerun computes the other 4
+  assert calls == [(3, list("cdef"))]
+  expect = np.array([[[ord(u) * 100 + layer] * 3 for layer in range(3)]
+                     for u in "abcdef"], np.float32)
+  np.testing.assert_array_equal(k, expect)
+  np.testing.assert_array_equal(v, -expect)
+  assert not (tmp_path / "train.tmp.json").exists()
 
 
 def test_loss_weights_and_offline_tau():

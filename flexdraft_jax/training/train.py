@@ -16,6 +16,7 @@ anchors depend only on (seed, step). WORKDIR gets:
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import os
 import time
@@ -205,8 +206,8 @@ def _setup(config, workdir=None):
   if tc.precompute_kv:
     for name, p in (("train", packers[0]), ("eval", packers[1])):
       if p is not None:
-        compute = functools.partial(precompute_deep_kv, p, target_params, cfg, dcfg,
-                                    tc, rep, name)  # (rows) -> (k, v)
+        compute = functools.partial(iter_deep_kv, p, target_params, cfg, dcfg,
+                                    tc, rep, name)  # rows -> batches
         kv_dir = tc.deep_kv_dir or (workdir and os.path.join(workdir, "deep_kv"))
         p.deep_kv = _cached_deep_kv(kv_dir, name, target.fingerprint, p, dcfg, compute)
     # The steps read the deep layers only: their weights as separate arrays,
@@ -225,13 +226,12 @@ def _setup(config, workdir=None):
   return state, target_params, packers, steps, mesh, info
 
 
-def precompute_deep_kv(packer, target_params, cfg, dcfg, tc, replicated, name="train",
-                       rows=None):
+def iter_deep_kv(packer, target_params, cfg, dcfg, tc, replicated, name="train",
+                 rows=None):
   """The deep layers' clean K/V of records `rows` of `packer` (default: all),
-  once: replaces the per-step clean pass. Records go in length order, each
-  batch cut to its longest sequence (rounded up to 64; causal attention makes
-  the padding irrelevant); the result is `[len(rows), L, K, seq_len, D]` in
-  `rows` order."""
+  batch by batch: yields `(rows_b, k, v)`, `k`/`v` `[len(rows_b), L, K, seq_len, D]`
+  for those records. Records go in length order, each batch cut to its longest
+  sequence (rounded up to 64; causal attention makes the padding irrelevant)."""
   fn = jax.jit(lambda tp, toks: loss_lib.deep_kv(
       tp, cfg, toks, dcfg.num_layers, attn_impl=tc.attn_impl),
                out_shardings=(replicated, replicated))
@@ -239,20 +239,31 @@ def precompute_deep_kv(packer, target_params, cfg, dcfg, tc, replicated, name="t
   n, bsz, T = len(rows), tc.batch_size, packer.seq_len
   toks_lens = [packer.tokens(packer.records[i]) for i in rows]
   order = sorted(range(n), key=lambda i: toks_lens[i][1])
-  ks = vs = None
   for start in tqdm.trange(0, n, bsz, desc=f"clean K/V ({name})",
                            disable=jax.process_index() != 0, dynamic_ncols=True):
     idx = [order[min(start + b, n - 1)] for b in range(bsz)]
     width = min(T, round_up(max(toks_lens[i][1] for i in idx), 64))
     toks = np.stack([toks_lens[i][0][:width] for i in idx])
     k, v = fn(target_params, sharding.put_global(toks, replicated))
-    k, v = (np.asarray(x.addressable_data(0)) for x in (k, v))
-    if ks is None:
-      ks = np.zeros((n,) + k.shape[1:3] + (T,) + k.shape[4:], k.dtype)
-      vs = np.zeros_like(ks)
     take = min(bsz, n - start)
-    ks[idx[:take], :, :, :width] = k[:take]
-    vs[idx[:take], :, :, :width] = v[:take]
+    k, v = (np.asarray(x.addressable_data(0))[:take] for x in (k, v))
+    pad = [(0, 0)] * 3 + [(0, T - width), (0, 0)]
+    yield [rows[i] for i in idx[:take]], np.pad(k, pad), np.pad(v, pad)
+
+
+def precompute_deep_kv(packer, target_params, cfg, dcfg, tc, replicated, name="train",
+                       rows=None):
+  """`iter_deep_kv` gathered: `[len(rows), L, K, seq_len, D]` in `rows` order."""
+  rows = list(range(len(packer.records))) if rows is None else list(rows)
+  where = {r: i for i, r in enumerate(rows)}
+  ks = vs = None
+  for rows_b, k, v in iter_deep_kv(packer, target_params, cfg, dcfg, tc, replicated,
+                                   name, rows):
+    if ks is None:
+      ks = np.zeros((len(rows),) + k.shape[1:], k.dtype)
+      vs = np.zeros_like(ks)
+    ks[[where[r] for r in rows_b]] = k
+    vs[[where[r] for r in rows_b]] = v
   return ks, vs
 
 
@@ -261,7 +272,7 @@ def _cached_sources(d, key, num_layers):
   last `num_layers` layers of a cache made for at least that many."""
   sources = {}
   for fname in sorted(os.listdir(d)) if os.path.isdir(d) else []:
-    if not fname.endswith(".json"):
+    if not fname.endswith(".json") or fname.endswith(".tmp.json"):
       continue
     with open(os.path.join(d, fname)) as f:
       meta = json.load(f)
@@ -276,18 +287,27 @@ def _cached_sources(d, key, num_layers):
   return sources
 
 
-def _cached_deep_kv(d, name, fingerprint, packer, dcfg, compute):
-  """`compute(rows)` (the K/V of those records of `packer`), saved under
-  directory `d` (None: not saved) as `NAME_{k,v}.npy` + `NAME.json` (the uid
-  of each row) and reused record by record while the target and the sequence
-  length are the same: after more data is regenerated only the new records
-  are computed. A cache made for more draft layers serves fewer — its last L
-  layers — so an L = 2, 4, 6, 8 ablation that shares one directory runs the
-  target's clean pass once."""
+def _cached_deep_kv(d, name, fingerprint, packer, dcfg, compute, flush_every=60.0):
+  """The K/V of every record of `packer`, from `compute(rows)` (which yields
+  `(rows_b, k, v)` batches of those records) and saved under directory `d`
+  (None: in memory only) as `NAME_{k,v}.npy` + `NAME.json` (the uid of each
+  row), reused record by record while the target and the sequence length are
+  the same: after more data is regenerated only the new records are computed.
+  A cache made for more draft layers serves fewer — its last L layers — so an
+  L = 2, 4, 6, 8 ablation that shares one directory runs the target's clean
+  pass once. Computed batches go straight into memory-mapped `NAME_{k,v}.tmp.npy`
+  (the K/V of all the data can exceed the RAM), and `NAME.tmp.json` lists the
+  records written so far (every `flush_every` seconds): an interrupted pass
+  resumes where it stopped."""
   n = len(packer.records)
-  if not d:
-    return compute(list(range(n)))
   uids = [r.uid for r in packer.records]
+  if not d:
+    it = compute(list(range(n)))
+    rows_b, k, v = next(it)
+    out = tuple(np.zeros((n,) + x.shape[1:], x.dtype) for x in (k, v))
+    for rows_b, k, v in itertools.chain([(rows_b, k, v)], it):
+      out[0][rows_b], out[1][rows_b] = k, v
+    return out
   key = {"fingerprint": fingerprint, "seq_len": packer.seq_len}
   sources = _cached_sources(d, key, dcfg.num_layers)
   if name in sources and sources[name][0] == uids:
@@ -296,41 +316,68 @@ def _cached_deep_kv(d, name, fingerprint, packer, dcfg, compute):
   for src, (src_uids, _, _) in sources.items():
     for row, uid in enumerate(src_uids):
       found.setdefault(uid, (src, row))
-  missing = [i for i, uid in enumerate(uids) if uid not in found]
+  tmp = {c: os.path.join(d, f"{name}_{c}.tmp.npy") for c in "kv"}
+  tmp_meta = os.path.join(d, f"{name}.tmp.json")
+  meta = dict(key, num_layers=dcfg.num_layers, uids=uids)
+  write = jax.process_index() == 0  # only the first process writes the cache
+  done = set()
+  if write and os.path.exists(tmp_meta) and all(os.path.exists(t) for t in tmp.values()):
+    with open(tmp_meta) as f:
+      partial = json.load(f)
+    if {k: partial.get(k) for k in meta} == meta:
+      done = set(partial.get("done", []))
+  missing = [i for i, uid in enumerate(uids) if uid not in found and uid not in done]
   print(f"clean K/V ({name}): {n - len(missing)} of {n} records cached in {d}, "
         f"computing {len(missing)}", flush=True)
-  new = compute(missing) if missing else None
-  if jax.process_index() != 0:  # only the first process writes the cache
-    return _assemble(n, uids, missing, new, found, sources, lambda shape, dt, c:
-                     np.zeros(shape, dt))
   os.makedirs(d, exist_ok=True)
-  tmp = {c: os.path.join(d, f"{name}_{c}.tmp.npy") for c in "kv"}
-  out = _assemble(n, uids, missing, new, found, sources, lambda shape, dt, c:
-                  np.lib.format.open_memmap(tmp[c], "w+", dt, shape))
-  for c, x in zip("kv", out):
-    x.flush()
+  out = None
+
+  def alloc(shape, dt):
+    nonlocal out, done
+    if not write:
+      out = tuple(np.zeros(shape, dt) for _ in "kv")
+    elif done:
+      out = tuple(np.load(tmp[c], mmap_mode="r+") for c in "kv")
+    else:
+      out = tuple(np.lib.format.open_memmap(tmp[c], "w+", dt, shape) for c in "kv")
+    for i, uid in enumerate(uids):
+      if uid in found and uid not in done:
+        src, row = found[uid]
+        for x, cached in zip(out, sources[src][1:]):
+          x[i] = cached[row]
+    done |= {uid for uid in uids if uid in found}
+
+  def checkpoint():
+    if write:
+      for x in out:
+        x.flush()
+      with open(tmp_meta + ".part", "w") as f:
+        json.dump(dict(meta, done=sorted(done)), f)
+      os.replace(tmp_meta + ".part", tmp_meta)
+
+  if done or not missing:
+    like = (sources[found[uids[0]][0]][1] if uids[0] in found
+            else np.load(tmp["k"], mmap_mode="r"))
+    alloc((n,) + like.shape[1:], like.dtype)
+  last = time.monotonic()
+  for rows_b, k, v in compute(missing) if missing else ():
+    if out is None:
+      alloc((n,) + k.shape[1:], k.dtype)
+    out[0][rows_b], out[1][rows_b] = k, v
+    done |= {uids[r] for r in rows_b}
+    if time.monotonic() - last > flush_every:
+      checkpoint()
+      last = time.monotonic()
+  if not write:
+    return out
+  checkpoint()
   del out
   for c in "kv":
     os.replace(tmp[c], os.path.join(d, f"{name}_{c}.npy"))
   with open(os.path.join(d, f"{name}.json"), "w") as f:
-    json.dump(dict(key, num_layers=dcfg.num_layers, uids=uids), f)
+    json.dump(meta, f)
+  os.remove(tmp_meta)
   return tuple(np.load(os.path.join(d, f"{name}_{c}.npy"), mmap_mode="r") for c in "kv")
-
-
-def _assemble(n, uids, missing, new, found, sources, alloc):
-  """[n, ...] K and V from the computed rows `new` (of `missing`) and the
-  cached ones; `alloc(shape, dtype, "k"|"v")` makes each output array."""
-  like = new[0] if new is not None else sources[found[uids[0]][0]][1]
-  out = tuple(alloc((n,) + like.shape[1:], like.dtype, c) for c in "kv")
-  for i, uid in enumerate(uids):
-    if uid in found:
-      src, row = found[uid]
-      for x, cached in zip(out, sources[src][1:]):
-        x[i] = cached[row]
-  if new is not None:
-    for x, computed in zip(out, new):
-      x[missing] = computed
-  return out
 
 
 def _host_drafter(config, state: TrainState, fingerprint: str, fixed=None) -> Drafter:
