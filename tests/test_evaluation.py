@@ -221,6 +221,17 @@ def test_step_cost_table_shows_the_break_even_tau():
   assert report.step_cost_table({"cells": {"a": {"params": {"mode": "ar"}}}}) == []
 
 
+def test_step_cost_table_of_a_drafter_without_parallel_mode():
+  # A bonus-input drafter's flex times sequential steps only (it crashed the report
+  # after a whole sweep had run).
+  costs = {"1": {"ar": 0.02, "measured_k": [2, 8],
+                 "sequential": {"2": 0.03, "8": 0.05}}}
+  results = {"cells": {"k": {"params": {"mode": "flex"}, "step_costs": costs}}}
+  table = report.step_cost_table(results)
+  assert table[0] == "| rows | ar | sequential k=2 | sequential k=8 |"
+  assert table[2] == "| 1 | 20.0 ms | 30.0 ms (τ 1.50) | 50.0 ms (τ 2.50) |"
+
+
 def test_batches_per_cell_caps_a_cells_prompts():
   config = sweep.default_config()
   rows = [BenchmarkPrompt(f"gsm8k:{i}", "gsm8k", (f"q{i}",)) for i in range(16)]

@@ -146,15 +146,17 @@ def step_cost_table(results: dict) -> list:
       costs.update(c.get("step_costs", {}))
   if not costs:
     return []
-  ks = sorted({k for c in costs.values() for k in c["sequential"]}, key=int)
-  cols = [(m, k) for m in ("sequential", "parallel") for k in ks]
+  # A bonus-input drafter has no parallel mode: only the modes some shape timed.
+  modes = [m for m in ("sequential", "parallel") if any(m in c for c in costs.values())]
+  ks = sorted({k for c in costs.values() for m in modes for k in c.get(m, {})}, key=int)
+  cols = [(m, k) for m in modes for k in ks]
   lines = ["| rows | ar | " + " | ".join(f"{m} k={k}" for m, k in cols) + " |",
            "|---|---|" + "---|" * len(cols)]
   for rows_ in sorted(costs, key=int):
     c = costs[rows_]
     measured = {str(k) for k in c.get("measured_k", [])}
     def cell(m, k):
-      t = c[m].get(k)
+      t = c.get(m, {}).get(k)
       if t is None:
         return "-"
       mark = "" if k in measured else "~"
