@@ -16,7 +16,6 @@ anchors depend only on (seed, step). WORKDIR gets:
 from __future__ import annotations
 
 import functools
-import itertools
 import json
 import os
 import time
@@ -251,20 +250,24 @@ def iter_deep_kv(packer, target_params, cfg, dcfg, tc, replicated, name="train",
     yield [rows[i] for i in idx[:take]], np.pad(k, pad), np.pad(v, pad)
 
 
+def _gather(batches, rows) -> tuple:
+  """`(k, v)` `[len(rows), ...]` in `rows` order from `(rows_b, k, v)` batches."""
+  where = {r: i for i, r in enumerate(rows)}
+  ks = vs = None
+  for rows_b, k, v in batches:
+    if ks is None:
+      ks, vs = (np.zeros((len(rows),) + x.shape[1:], x.dtype) for x in (k, v))
+    at = [where[r] for r in rows_b]
+    ks[at], vs[at] = k, v
+  return ks, vs
+
+
 def precompute_deep_kv(packer, target_params, cfg, dcfg, tc, replicated, name="train",
                        rows=None):
   """`iter_deep_kv` gathered: `[len(rows), L, K, seq_len, D]` in `rows` order."""
   rows = list(range(len(packer.records))) if rows is None else list(rows)
-  where = {r: i for i, r in enumerate(rows)}
-  ks = vs = None
-  for rows_b, k, v in iter_deep_kv(packer, target_params, cfg, dcfg, tc, replicated,
-                                   name, rows):
-    if ks is None:
-      ks = np.zeros((len(rows),) + k.shape[1:], k.dtype)
-      vs = np.zeros_like(ks)
-    ks[[where[r] for r in rows_b]] = k
-    vs[[where[r] for r in rows_b]] = v
-  return ks, vs
+  return _gather(iter_deep_kv(packer, target_params, cfg, dcfg, tc, replicated, name,
+                              rows), rows)
 
 
 def _cached_sources(d, key, num_layers):
@@ -302,12 +305,7 @@ def _cached_deep_kv(d, name, fingerprint, packer, dcfg, compute, flush_every=60.
   n = len(packer.records)
   uids = [r.uid for r in packer.records]
   if not d:
-    it = compute(list(range(n)))
-    rows_b, k, v = next(it)
-    out = tuple(np.zeros((n,) + x.shape[1:], x.dtype) for x in (k, v))
-    for rows_b, k, v in itertools.chain([(rows_b, k, v)], it):
-      out[0][rows_b], out[1][rows_b] = k, v
-    return out
+    return _gather(compute(list(range(n))), list(range(n)))
   key = {"fingerprint": fingerprint, "seq_len": packer.seq_len}
   sources = _cached_sources(d, key, dcfg.num_layers)
   if name in sources and sources[name][0] == uids:
@@ -330,10 +328,9 @@ def _cached_deep_kv(d, name, fingerprint, packer, dcfg, compute, flush_every=60.
   print(f"clean K/V ({name}): {n - len(missing)} of {n} records cached in {d}, "
         f"computing {len(missing)}", flush=True)
   os.makedirs(d, exist_ok=True)
-  out = None
 
-  def alloc(shape, dt):
-    nonlocal out, done
+  def open_out(shape, dt):
+    """The output arrays, holding every cached record (`done` then lists them)."""
     if not write:
       out = tuple(np.zeros(shape, dt) for _ in "kv")
     elif done:
@@ -345,7 +342,8 @@ def _cached_deep_kv(d, name, fingerprint, packer, dcfg, compute, flush_every=60.
         src, row = found[uid]
         for x, cached in zip(out, sources[src][1:]):
           x[i] = cached[row]
-    done |= {uid for uid in uids if uid in found}
+    done.update(uid for uid in uids if uid in found)
+    return out
 
   def checkpoint():
     if write:
@@ -355,14 +353,15 @@ def _cached_deep_kv(d, name, fingerprint, packer, dcfg, compute, flush_every=60.
         json.dump(dict(meta, done=sorted(done)), f)
       os.replace(tmp_meta + ".part", tmp_meta)
 
+  out = None
   if done or not missing:
     like = (sources[found[uids[0]][0]][1] if uids[0] in found
             else np.load(tmp["k"], mmap_mode="r"))
-    alloc((n,) + like.shape[1:], like.dtype)
+    out = open_out((n,) + like.shape[1:], like.dtype)
   last = time.monotonic()
   for rows_b, k, v in compute(missing) if missing else ():
     if out is None:
-      alloc((n,) + k.shape[1:], k.dtype)
+      out = open_out((n,) + k.shape[1:], k.dtype)
     out[0][rows_b], out[1][rows_b] = k, v
     done |= {uids[r] for r in rows_b}
     if time.monotonic() - last > flush_every:
