@@ -461,8 +461,31 @@ def test_flex_corrects_step_costs_with_what_chunks_took():
   assert why["measured_tokens_per_s"] == {f"{mode}:{k}": pytest.approx(16 / 3 / (
       16 * d.costs[mode][str(k)]), abs=0.01)}
   assert why["cost_scale"][mode] == pytest.approx(3.0)
+  # AR has not run: it borrows the machine's slowdown, but only up to
+  # MACHINE_DRIFT (3x is the mode's own)...
+  assert d.cost_scale(1, "ar") == pytest.approx(flex.MACHINE_DRIFT)
+  # ... and once it has chunks of its own, they decide.
+  d.observe(hist, "ar", 0, B=1, steps=16, seconds=16 * 1.1)
+  assert d.cost_scale(1, "ar") == pytest.approx(1.1)
   # Other batch shapes keep their own corrections.
   assert d.cost_scale(4, mode) == 1.0
+
+
+def test_flex_modes_that_have_not_run_share_the_machine_s_slowdown(monkeypatch):
+  # Every mode's chunks run 20 % over the timed costs on a busy machine: AR,
+  # not run since, is assumed 20 % slower too, so speculation that beats AR
+  # by 10 % on the timed costs still does.
+  d = _driver(verify_len=2)
+  d.modes = ("sequential",)
+  d.costs = {"ar": 1.0, "sequential": {"2": 1.0}}
+  state = _conf_state([0.1] + [0.5] * 6)  # τ(2) = 1.1 at AR's cost
+  # (its acceptance counts left out: τ stays the confidences')
+  d.observe(np.zeros(9), "sequential", 2, B=1, steps=16, seconds=16 * 1.2)
+  assert d.cost_scale(1, "ar") == pytest.approx(1.2)
+  assert d.choose(state, 1, 2, B=1, S=64) == ("sequential", 2)
+  # (without the borrowing: 1.1 / 1.2 against AR's 1 / 1.0)
+  monkeypatch.setattr(flex, "MACHINE_DRIFT", 1.0)
+  assert d.choose(state, 1, 2, B=1, S=64) == ("ar", 0)
 
 
 def test_flex_needs_a_margin_over_ar():
@@ -474,6 +497,19 @@ def test_flex_needs_a_margin_over_ar():
   assert d.choose(state, 1, 2, B=1, S=64) == ("ar", 0)
   state = _conf_state([flex.AR_MARGIN - 0.99] + [0.5] * 6)
   assert d.choose(state, 1, 2, B=1, S=64) == ("sequential", 2)
+
+
+def test_flex_keeps_speculating_while_it_is_predicted_as_fast_as_ar():
+  # Hysteresis: AR_MARGIN to start speculating, STAY_MARGIN to go on.
+  d = _driver(verify_len=2)
+  d.modes = ("sequential",)
+  d.costs = {"ar": 1.0, "sequential": {"2": 1.0}}
+  between = _conf_state([(flex.STAY_MARGIN + flex.AR_MARGIN) / 2 - 1] + [0.5] * 6)
+  assert d.choose(between, 1, 2, B=1, S=64) == ("ar", 0)  # from AR: not enough
+  d.observe(np.zeros(9), "sequential", 2, B=1, steps=0)
+  assert d.choose(between, 1, 2, B=1, S=64) == ("sequential", 2)  # speculating: stays
+  d.costs["sequential"]["2"] = 1.1  # now slower than AR: back to AR
+  assert d.choose(between, 1, 2, B=1, S=64) == ("ar", 0)
 
 
 def test_flex_falls_back_to_ar_when_speculation_is_slower_than_timed(

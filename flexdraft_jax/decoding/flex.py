@@ -11,10 +11,14 @@ slot j was verified (each older chunk weighs `ACCEPT_DECAY` less), blended
 with a prior from the drafts' own confidences (scaled by how well they have
 predicted acceptance), which is all there is for slots never verified. AR
 competes with τ = 1;
-a speculative choice must beat it by `AR_MARGIN`, else it is plain AR. What the
+a speculative choice must beat it by `AR_MARGIN` to start, and stays while
+it is predicted at least as fast (AR steps observe no acceptance, so a switch
+to AR on a noisy estimate would stand unchallenged until the next probe). What the
 chunks then really cost corrects the model: per mode, the ratio of the seconds
 the decoding chunks took to what the measured costs predicted scales that
-mode's costs, so a mode slower than timed falls back to AR at the next choice;
+mode's costs, so a mode slower than timed falls back to AR at the next choice
+(a mode that has not run lately borrows the others' ratio, up to
+`MACHINE_DRIFT`: a busy machine slows every mode);
 until a (mode, k) has timed steps at this batch shape its chunks are short
 (`PROBE_STEPS`), so a wrong first choice costs a few steps. AR learns nothing
 about acceptance, so where speculation came close flex probes it again after
@@ -42,9 +46,12 @@ PRIOR_WEIGHT = 8
 # Decoding steps of a mode before their wall time corrects its costs (and before
 # its chunks grow from probes to full length): two probe chunks.
 MIN_TIMED = 8
-# A speculative (mode, k) runs only if its predicted tokens/s is at least this
+# A speculative (mode, k) starts only if its predicted tokens/s is at least this
 # times AR's: step timings on a shared CPU vary by ~10 %, and AR is the safe side.
+# Once speculating it stays while it is predicted at least as fast as AR
+# (STAY_MARGIN): it keeps measuring acceptance there, AR would not.
 AR_MARGIN = 1.05
+STAY_MARGIN = 1.0
 # Steps of a speculative chunk while its (mode, k) has no timed steps at this batch
 # shape: a wrong first choice costs a few steps, not a whole chunk.
 PROBE_STEPS = 4
@@ -61,6 +68,10 @@ ACCEPT_DECAY = 0.5
 AR_STRETCH = 16
 EXPLORE = 0.8
 TIMING_ROUNDS = 3  # rounds of timing every variant (measure)
+# How much slower (or faster) than timed a shared CPU may run all modes at
+# once: a mode that has not run since inherits the others' correction up to
+# this factor; beyond it the slowdown is the mode's own (cost_scale).
+MACHINE_DRIFT = 1.5
 
 # Measured step costs of this process: cache path -> {key: costs}.
 _COSTS_IN_MEMORY: dict = {}
@@ -154,20 +165,41 @@ class FlexPolicy:
       if not self.explore_ar:
         return default
       return max(1, min(default, self.ar_stretch - self.ar_since_probe))
-    timed = self.realized.get(B, {}).get((mode, k), [0])[0]
+    # The mode's timed steps at any k: its costs at other k are interpolated
+    # and share its correction (cost_scale), so a new k needs no probe.
+    timed = sum(r[0] for (m, _), r in self.realized.get(B, {}).items() if m == mode)
     if self.probing or timed < MIN_TIMED:
       return min(default, PROBE_STEPS)
     return default
 
   def cost_scale(self, B: int, mode: str) -> float:
     """Seconds the decoding chunks of `mode` took over what the step costs
-    predicted for them (1 until MIN_TIMED steps are in)."""
-    rows = [(kk, r) for (m, kk), r in self.realized.get(B, {}).items() if m == mode]
-    steps = sum(r[0] for _, r in rows)
-    if steps < MIN_TIMED or self.costs is None:
+    predicted for them. A mode with fewer than MIN_TIMED such steps at B
+    borrows the other modes' ratio clipped to [1 / MACHINE_DRIFT,
+    MACHINE_DRIFT] — the machine runs slower or faster now than when the costs
+    were timed, for every mode alike — and 1 where no mode has any."""
+    if self.costs is None:
       return 1.0
-    predicted = sum(r[0] * self._cost(mode, kk) for kk, r in rows)
-    return sum(r[1] for _, r in rows) / predicted
+    own, other = self._realized_ratio(B, lambda m: m == mode)
+    if own is not None:
+      return own
+    if other is None:
+      return 1.0
+    return float(np.clip(other, 1.0 / MACHINE_DRIFT, MACHINE_DRIFT))
+
+  def _realized_ratio(self, B: int, pick):
+    """(realized / predicted seconds of the modes `pick` selects, of the
+    others), each None under MIN_TIMED steps."""
+    out = []
+    for want in (True, False):
+      rows = [(m, kk, r) for (m, kk), r in self.realized.get(B, {}).items()
+              if bool(pick(m)) == want]
+      if sum(r[0] for _, _, r in rows) < MIN_TIMED:
+        out.append(None)
+        continue
+      predicted = sum(r[0] * self._cost(m, kk) for m, kk, r in rows)
+      out.append(sum(r[1] for _, _, r in rows) / predicted)
+    return tuple(out)
 
   def _cost(self, mode: str, k: int) -> float:
     return self.costs["ar"] if mode == "ar" else self.costs[mode][str(k)]
@@ -243,7 +275,8 @@ class FlexPolicy:
     best = max((c for c in rates if c[0] != "ar"), key=rates.get)
     ar_rate, best_rate = rates[("ar", 0)], rates[best]
     self.probing = False
-    if best_rate < AR_MARGIN * ar_rate:
+    speculating = self._last_chunk[0] != "ar"
+    if best_rate < (STAY_MARGIN if speculating else AR_MARGIN) * ar_rate:
       # Not worth it by the estimate; probe it now and then if it came close.
       self.explore_ar = best_rate >= EXPLORE * AR_MARGIN * ar_rate
       if self.explore_ar and self.ar_since_probe >= self.ar_stretch:
