@@ -180,26 +180,22 @@ class FlexPolicy:
     were timed, for every mode alike — and 1 where no mode has any."""
     if self.costs is None:
       return 1.0
-    own, other = self._realized_ratio(B, lambda m: m == mode)
+    own = self._realized_ratio(B, lambda m: m == mode)
     if own is not None:
       return own
+    other = self._realized_ratio(B, lambda m: m != mode)
     if other is None:
       return 1.0
     return float(np.clip(other, 1.0 / MACHINE_DRIFT, MACHINE_DRIFT))
 
   def _realized_ratio(self, B: int, pick):
-    """(realized / predicted seconds of the modes `pick` selects, of the
-    others), each None under MIN_TIMED steps."""
-    out = []
-    for want in (True, False):
-      rows = [(m, kk, r) for (m, kk), r in self.realized.get(B, {}).items()
-              if bool(pick(m)) == want]
-      if sum(r[0] for _, _, r in rows) < MIN_TIMED:
-        out.append(None)
-        continue
-      predicted = sum(r[0] * self._cost(m, kk) for m, kk, r in rows)
-      out.append(sum(r[1] for _, _, r in rows) / predicted)
-    return tuple(out)
+    """Realized / predicted seconds of the chunks of the modes `pick` selects
+    at B; None under MIN_TIMED steps."""
+    rows = [(m, kk, r) for (m, kk), r in self.realized.get(B, {}).items() if pick(m)]
+    if sum(r[0] for _, _, r in rows) < MIN_TIMED:
+      return None
+    predicted = sum(r[0] * self._cost(m, kk) for m, kk, r in rows)
+    return sum(r[1] for _, _, r in rows) / predicted
 
   def _cost(self, mode: str, k: int) -> float:
     return self.costs["ar"] if mode == "ar" else self.costs[mode][str(k)]
