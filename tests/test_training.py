@@ -117,6 +117,63 @@ def test_prompt_sources_exclude_eval_splits(fixture_data, monkeypatch):
   assert all(p.text.endswith(cfg.suffix.gsm8k) for p in prompts if p.source == "gsm8k")
 
 
+def test_prompt_variants_frame_the_same_questions(fixture_data, monkeypatch):
+  from flexdraft_jax.evaluation import benchmarks
+  monkeypatch.setenv("FLEXDRAFT_DATA", fixture_data)
+  cfg = tiny.tiny_config("/unused").data
+  cfg.mix = dict(gsm8k=4, mbpp=-1, arena_hard_v01=-1, arena_hard_v20=1)
+  own = {p.uid: p for p in data.load_prompts(cfg)}
+  cfg.variant = "bench"  # the benchmarks' instructions; arena prompts have none
+  bench = data.load_prompts(cfg)
+  assert {p.source for p in bench} == {"gsm8k", "mbpp"}
+  for p in bench:
+    base = own[data.question_uid(p.uid)]
+    assert p.uid == base.uid + "#bench" and p.text != base.text
+    instruction = (benchmarks.MATH_INSTRUCTION if p.source == "gsm8k"
+                   else benchmarks.CODE_INSTRUCTION)
+    assert p.text.endswith(instruction)
+    suffix = cfg.suffix[p.source]
+    assert p.text[:-len(instruction)] == base.text[:-len(suffix)]
+  cfg.variant = "fn"  # MBPP as HumanEval frames a prompt
+  fn = data.load_prompts(cfg)
+  assert sorted(p.uid for p in fn) == sorted(f"mbpp:{i}#fn" for i in data_fixture.MBPP_TRAIN_IDS)
+  i = data_fixture.MBPP_TRAIN_IDS[0]
+  text = next(p.text for p in fn if p.uid == f"mbpp:{i}#fn")
+  assert text.startswith("Complete the following Python function")
+  assert f"def add_{i}(x):\n" in text and f">>> add_{i}(1) == {i + 1}\n" in text
+  assert f"return x + {i}" not in text  # the signature, never the solution
+  cfg.variant = "nope"
+  with pytest.raises(FlexDraftError, match="unknown prompt variant 'nope'"):
+    data.load_prompts(cfg)
+
+
+def test_mbpp_function_needs_the_tested_def_on_one_line():
+  task = {"text": "Sum two numbers.", "test_list": ["assert add(1, 2) == 3"],
+          "code": "import math\r\nclass Helper: \r\n\tpass\r\ndef helper(x):\r\n"
+                  "\treturn x\r\ndef add(a, b): \r\n\treturn a + b"}
+  assert data.mbpp_function(task) == (
+      'import math\ndef add(a, b):\n    """Sum two numbers.\n    >>> add(1, 2) == 3\n'
+      '    True\n    """')
+  assert data.mbpp_function(dict(task, code="def add(a,\n        b):\n  return a + b")) == ""
+  assert data.mbpp_function(dict(task, code="def other(a):\n  return a")) == ""
+
+
+def test_split_eval_holds_out_own_prompts_and_drops_their_variants():
+  rec = lambda uid: data.Record(uid, uid.split(":")[0], np.array([1], np.int32),
+                                np.array([2, 3], np.int32))
+  own = [rec(f"gsm8k:{i}") for i in range(40)]
+  train0, held0 = data.split_eval(own, 5)
+  variants = [rec(r.uid + "#bench") for r in own] + [rec("gsm8k:99#bench")]
+  train, held = data.split_eval(own + variants, 5)
+  # the same held-out answers as without variants, never a variant
+  assert [r.uid for r in held] == [r.uid for r in held0] and len(held) == 5
+  held_q = {r.uid for r in held}
+  assert not {data.question_uid(r.uid) for r in train} & held_q
+  # every other record trains: the own prompts' and their variants'
+  assert len(train) == len(own) + len(variants) - 2 * 5
+  assert {r.uid for r in train0} < {r.uid for r in train}
+
+
 REAL_MBPP = os.path.join(data_root(), "mbpp", "mbpp.jsonl")
 
 

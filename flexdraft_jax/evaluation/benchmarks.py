@@ -90,11 +90,16 @@ def _math500(path):
           for i, r in enumerate(_jsonl(path))]
 
 
+def complete_function(code: str) -> str:
+  """HumanEval's framing of a function to complete (`code`: its signature and
+  docstring), with the code instruction."""
+  return ("Complete the following Python function so that it passes its tests:\n"
+          f"```python\n{code}\n```" + CODE_INSTRUCTION)
+
+
 def _humaneval(path):
-  return [BenchmarkPrompt(
-      f"humaneval:{r['task_id']}", "humaneval",
-      ("Complete the following Python function so that it passes its tests:\n"
-       f"```python\n{r['prompt']}\n```" + CODE_INSTRUCTION,))
+  return [BenchmarkPrompt(f"humaneval:{r['task_id']}", "humaneval",
+                          (complete_function(r["prompt"]),))
           for r in _jsonl(path)]
 
 

@@ -50,6 +50,9 @@ def base_config(name: str) -> ml_collections.ConfigDict:
       arena_hard_v20=os.path.join(root, "arena_hard", "question_v2.0.jsonl")))
   c.data.suffix = ml_collections.ConfigDict(dict(gsm8k=MATH_SUFFIX, mbpp=CODE_SUFFIX))
   c.data.chat_kwargs = ml_collections.ConfigDict()  # e.g. enable_thinking=False
+  # "" (the mix as above) or a name in data.VARIANTS: the mix's questions framed
+  # another way (e.g. "bench": the benchmarks' instructions), answered as new records
+  c.data.variant = ""
   c.data.seed = 0
   c.data.max_prompt_tokens = 256  # longer prompts are skipped
   c.data.max_new_tokens = 256
@@ -103,6 +106,10 @@ def check_data_config(dc) -> None:
     _need(source in SOURCES, f"data.mix.{source}", f"one of {', '.join(SOURCES)}", source)
     _need(isinstance(count, int) and count >= -1, f"data.mix.{source}",
           "an integer >= -1 (-1: all)", count)
+  from flexdraft_jax.training.data import VARIANTS
+  variant = dc.get("variant", "")
+  _need(variant == "" or variant in VARIANTS, "data.variant",
+        f"'' or one of {', '.join(VARIANTS)}", variant)
   part = dc.get("part", "")
   _need(part == "" or parse_part(part) is not None, "data.part",
         "'' or 'I/N' with 0 <= I < N", part)

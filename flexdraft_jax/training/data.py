@@ -20,6 +20,8 @@ from typing import Iterable, NamedTuple
 import numpy as np
 import tensorflow_datasets as tfds
 
+from flexdraft_jax.evaluation.benchmarks import (CODE_INSTRUCTION, MATH_INSTRUCTION,
+                                                 complete_function)
 from flexdraft_jax.model.config import FlexDraftError
 
 DATASET_NAME = "flexdraft_regen"
@@ -39,33 +41,77 @@ def _jsonl(path: str) -> list:
     return [json.loads(line) for line in f if line.strip()]
 
 
-def read_source(source: str, path: str, suffix: str = "") -> list:
-  """All prompts of one source (training splits only)."""
+# Prompt variants: the same training questions framed another way, whose
+# greedy answers are new training text. A variant's uid is "<source>:<id>#<name>";
+# it stays with its question: held out with it, never in the held-out set
+# (`split_eval`). Each maps the sources it frames to the suffix it ends with.
+VARIANTS = {
+    # The benchmarks' own instructions (evaluation.benchmarks) on training questions.
+    "bench": {"gsm8k": MATH_INSTRUCTION, "mbpp": CODE_INSTRUCTION},
+    # MBPP tasks framed as HumanEval frames a prompt: a function to complete.
+    "fn": {"mbpp": ""},
+}
+
+
+def read_source(source: str, path: str, suffix: str = "", variant: str = "") -> list:
+  """All prompts of one source (training splits only), or of its `variant`
+  (none when the variant does not frame this source)."""
+  if variant:
+    if variant not in VARIANTS:
+      raise FlexDraftError(f"unknown prompt variant {variant!r} (known: "
+                           f"{', '.join(VARIANTS)})")
+    if source not in VARIANTS[variant]:
+      return []
+    suffix = VARIANTS[variant][source]
   if source == "gsm8k":
     rows = [Prompt(f"gsm8k:{i}", source, r["question"]) for i, r in enumerate(_jsonl(path))]
   elif source == "mbpp":
     # MBPP validation (511-600) + train (601-974); 1-510 are test/few-shot.
-    rows = [Prompt(f"mbpp:{r['task_id']}", source,
-                   f"{r['text']}\nYour code should pass this test:\n{r['test_list'][0]}")
-            for r in _jsonl(path) if 511 <= int(r["task_id"]) <= 974]
+    tasks = [r for r in _jsonl(path) if 511 <= int(r["task_id"]) <= 974]
+    if variant == "fn":
+      rows = [Prompt(f"mbpp:{r['task_id']}", source, complete_function(code))
+              for r in tasks if (code := mbpp_function(r))]
+    else:
+      rows = [Prompt(f"mbpp:{r['task_id']}", source,
+                     f"{r['text']}\nYour code should pass this test:\n{r['test_list'][0]}")
+              for r in tasks]
   elif source.startswith("arena_hard"):
     rows = [Prompt(f"{source}:{r['uid']}", source, r["prompt"]) for r in _jsonl(path)]
   else:
     raise FlexDraftError(f"unknown prompt source {source!r} (known: {', '.join(SOURCES)})")
   if suffix:
     rows = [p._replace(text=p.text + suffix) for p in rows]
+  if variant:
+    rows = [p._replace(uid=f"{p.uid}#{variant}") for p in rows]
   return rows
+
+
+def mbpp_function(task: dict) -> str:
+  """An MBPP task as a function to complete: the reference code's imports and
+  the signature of the function its first test calls, with the task and that
+  test as the docstring ("" when the code defines no such function on one line)."""
+  test = task["test_list"][0]
+  lines = [l.rstrip() for l in task["code"].replace("\r\n", "\n").split("\n")]
+  imports = [l for l in lines if l.startswith(("import ", "from "))]
+  for line in lines:
+    name = line[4:].partition("(")[0].strip() if line.startswith("def ") else ""
+    if name and f"{name}(" in test and line.endswith(":"):
+      doc = f'    """{task["text"].strip()}\n    >>> {test.removeprefix("assert ").strip()}\n    True\n    """'
+      return "\n".join(imports + [line, doc])
+  return ""
 
 
 def load_prompts(data_cfg) -> list:
   """The prompt mix: `data_cfg.mix[source]` prompts of each source (-1: all),
-  picked by a seeded shuffle, interleaved round-robin."""
+  picked by a seeded shuffle, interleaved round-robin; `data_cfg.variant` frames
+  them as that variant does (sources it does not frame are left out)."""
   picked = []
+  variant = data_cfg.get("variant", "")
   for source, count in sorted(dict(data_cfg.mix).items()):
     if count == 0:
       continue
     rows = read_source(source, data_cfg.paths[source],
-                       dict(data_cfg.get("suffix", {})).get(source, ""))
+                       dict(data_cfg.get("suffix", {})).get(source, ""), variant)
     order = np.random.default_rng([data_cfg.seed, stable_int(source)]).permutation(len(rows))
     picked.append([rows[i] for i in order[:None if count < 0 else count]])
   out = []
@@ -294,13 +340,21 @@ def _text(x) -> str:
   return x.decode() if isinstance(x, bytes) else str(x)
 
 
+def question_uid(uid: str) -> str:
+  """The uid of the question a record answers (a variant's without `#name`)."""
+  return uid.partition("#")[0]
+
+
 def split_eval(records: list, num_eval: int) -> tuple:
-  """(train, eval): the held-out records are the `num_eval` with the smallest
-  uid hash — stable when more data is added."""
-  order = sorted(range(len(records)), key=lambda i: stable_int("eval:" + records[i].uid))
-  held = set(order[:num_eval])
-  return ([r for i, r in enumerate(records) if i not in held],
-          [r for i, r in enumerate(records) if i in held])
+  """(train, eval): the held-out records are the `num_eval` answers to the mix's
+  own prompts with the smallest uid hash — the same ones when variants or more
+  questions' answers are added, unless those hash lower; answers to variants
+  of a held-out question are in neither."""
+  own = sorted((r.uid for r in records if "#" not in r.uid),
+               key=lambda uid: stable_int("eval:" + uid))
+  held = set(own[:num_eval])
+  return ([r for r in records if question_uid(r.uid) not in held],
+          [r for r in records if r.uid in held])
 
 
 def draft_vocabulary(records: list, size: int, vocab_size: int, always=()) -> np.ndarray:
