@@ -398,6 +398,22 @@ def test_tau_by_length_from_counts_and_confidence():
   assert _driver(verify_len=5).buckets == (2, 3, 5)
 
 
+def test_acceptance_decays_only_in_the_slots_a_chunk_verified():
+  d = _driver()
+  # a chunk at k = 8: 10 steps, every draft accepted
+  d.observe(np.array([0] * 8 + [10]), "sequential", 8, B=1, steps=10, seconds=1.0)
+  assert d.verified[1:].tolist() == [10] * 7 and d.accepted[1:].tolist() == [10] * 7
+  # then at k = 3, nothing accepted: slots 1-2 decay and count it, 3-7 keep k = 8's
+  d.observe(np.array([0, 10] + [0] * 7), "sequential", 3, B=1, steps=10, seconds=1.0)
+  decay = flex.ACCEPT_DECAY
+  assert d.verified[1:3].tolist() == [10 * decay + 10, 10 * decay]
+  assert d.accepted[1:3].tolist() == [10 * decay, 10 * decay]
+  assert d.verified[3:].tolist() == [10] * 5 and d.accepted[3:].tolist() == [10] * 5
+  # an AR chunk changes no slot
+  d.observe(np.array([10] + [0] * 8), "ar", 0, B=1, steps=10, seconds=1.0)
+  assert d.verified[3:].tolist() == [10] * 5
+
+
 def test_tau_prior_is_the_mean_confidence_over_choices():
   # One state's drafts are a noisy sample: the prior is the decayed mean of
   # the confidences seen at each choice, not the latest alone.

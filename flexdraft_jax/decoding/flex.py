@@ -7,7 +7,8 @@ step costs once (AR, and each speculative mode at the shortest and longest k;
 lengths between are interpolated) and predicts tokens/s = τ(k) / cost(mode, k)
 with τ(k) = 1 + Σ_{i<k} Π_{j≤i} r_j, r_j the acceptance rate of draft slot j
 given the slots before it were accepted — counted from the recent steps where
-slot j was verified (each older chunk weighs `ACCEPT_DECAY` less), blended
+slot j was verified (each older chunk that verified slot j weighs
+`ACCEPT_DECAY` less there: a run at a short k keeps what longer steps saw), blended
 with a prior from the drafts' own confidences (scaled by how well they have
 predicted acceptance), which is all there is for slots never verified. AR
 competes with τ = 1;
@@ -145,8 +146,10 @@ class FlexPolicy:
       self.ar_hist = self.ar_hist + delta_hist
       self.ar_since_probe += steps
     else:
-      self.verified = self.verified * ACCEPT_DECAY
-      self.accepted = self.accepted * ACCEPT_DECAY
+      # Older chunks weigh ACCEPT_DECAY less in the slots this one verified;
+      # the slots beyond its k keep what longer steps measured there.
+      self.verified[1:k] *= ACCEPT_DECAY
+      self.accepted[1:k] *= ACCEPT_DECAY
       self.count_acceptance(delta_hist, k)
     if steps <= 0 or compiled:
       return
