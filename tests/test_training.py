@@ -174,6 +174,26 @@ def test_split_eval_holds_out_own_prompts_and_drops_their_variants():
   assert {r.uid for r in train0} < {r.uid for r in train}
 
 
+def test_shipped_dataset_holds_training_questions_only():
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  with np.load(os.path.join(repo, "datasets", "smollm2_135m", "regen.npz")) as z:
+    uids, sources = [str(u) for u in z["uid"]], [str(s) for s in z["source"]]
+    lengths = z["prompt_len"] + z["answer_len"]
+    n_ids, meta = len(z["ids"]), json.loads(str(z["meta"]))
+  with open(os.path.join(repo, "flexdraft_jax", "drafters", "smollm2_135m",
+                         "drafter.json")) as f:
+    assert meta["target_fingerprint"] in f.read()  # the shipped drafter's target
+  assert len(set(uids)) == len(uids) and int(lengths.sum()) == n_ids
+  for uid, source in zip(uids, sources):
+    question, _, variant = uid.partition("#")
+    assert question.split(":")[0] == source and source in data.SOURCES
+    assert variant == "" or source in data.VARIANTS[variant]
+    if source == "mbpp":  # never a test or few-shot task
+      assert 511 <= int(question.split(":")[1]) <= 974, uid
+    if source == "gsm8k":  # train.jsonl's 7,473 rows
+      assert 0 <= int(question.split(":")[1]) < 7473, uid
+
+
 REAL_MBPP = os.path.join(data_root(), "mbpp", "mbpp.jsonl")
 
 
