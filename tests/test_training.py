@@ -299,16 +299,26 @@ def test_deep_kv_cache_computes_only_new_records(tmp_path):
   cached(2, name="eval")                  # same records under another name: reused
   assert calls == [(2, ["a", "b"])]
   packer.records[:] = [types.SimpleNamespace(uid=u) for u in "cbad"]
+  mtime = os.path.getmtime(tmp_path / "train_k.npy")
   k, v = cached(2)                        # more data: only c and d are computed
   assert calls[-1] == (2, ["c", "d"])
   expect = np.array([[[ord(u) * 100 + layer] * 3 for layer in range(2)]
                      for u in "cbad"], np.float32)
   np.testing.assert_array_equal(k, expect)
   np.testing.assert_array_equal(v, -expect)
-  assert json.load(open(tmp_path / "train.json"))["uids"] == list("cbad")
+  # the new records are a shard of their own: what was cached is not rewritten
+  assert json.load(open(tmp_path / "train.json"))["uids"] == list("ab")
+  assert json.load(open(tmp_path / "train-1.json"))["uids"] == list("cd")
+  assert os.path.getmtime(tmp_path / "train_k.npy") == mtime
   k, _ = cached(2)                        # and now all of it is cached
   assert len(calls) == 2
   np.testing.assert_array_equal(k, expect)
+  np.testing.assert_array_equal(k[np.array([3, 0]), 1], expect[[3, 0], 1])
+  np.testing.assert_array_equal(k[2], expect[2])
+  packer.records.append(types.SimpleNamespace(uid="e"))
+  k, _ = cached(2)                        # a third shard
+  assert calls[-1] == (2, ["e"]) and k.shape == (5, 2, 3)
+  assert json.load(open(tmp_path / "train-2.json"))["uids"] == ["e"]
 
 
 def test_deep_kv_cache_resumes_an_interrupted_pass(tmp_path):

@@ -270,6 +270,41 @@ def precompute_deep_kv(packer, target_params, cfg, dcfg, tc, replicated, name="t
                               rows), rows)
 
 
+class RecordRows:
+  """Records kept in several arrays (the shards of a K/V cache) read as one
+  `[N, ...]` array: `x[rows, ...]` gathers each row from the shard holding it
+  (memory-mapped shards read only those rows). `where[i] = (shard, row)`."""
+
+  def __init__(self, shards: list, where: list):
+    self.shards = shards
+    self._shard = np.array([s for s, _ in where], np.int64)
+    self._row = np.array([r for _, r in where], np.int64)
+    self.shape = (len(where),) + tuple(shards[0].shape[1:])
+    self.dtype = shards[0].dtype
+
+  def __len__(self) -> int:
+    return self.shape[0]
+
+  def __getitem__(self, key):
+    key = key if isinstance(key, tuple) else (key,)
+    scalar = np.ndim(key[0]) == 0 and not isinstance(key[0], slice)
+    idx = np.atleast_1d(np.arange(len(self))[key[0]])
+    parts, out = {}, None
+    for s in np.unique(self._shard[idx]):
+      at = np.flatnonzero(self._shard[idx] == s)
+      parts[s] = at, np.asarray(self.shards[s][(self._row[idx[at]],) + key[1:]])
+    for at, x in parts.values():
+      if out is None:
+        out = np.empty((len(idx),) + x.shape[1:], x.dtype)
+      out[at] = x
+    if out is None:  # no rows
+      out = np.asarray(self.shards[0][(np.zeros((0,), np.int64),) + key[1:]])
+    return out[0] if scalar else out
+
+  def __array__(self, dtype=None, copy=None):
+    return self[:] if dtype is None else self[:].astype(dtype)
+
+
 def _cached_sources(d, key, num_layers):
   """What directory `d` holds for `key`: {name: (uids, k, v)}, each array the
   last `num_layers` layers of a cache made for at least that many."""
@@ -290,93 +325,106 @@ def _cached_sources(d, key, num_layers):
   return sources
 
 
+def _shard_name(d, name) -> str:
+  """`name`, else the first free `name-J` (J = 1, 2, ...) in directory `d`."""
+  shard, j = name, 0
+  while os.path.exists(os.path.join(d, f"{shard}.json")):
+    j += 1
+    shard = f"{name}-{j}"
+  return shard
+
+
 def _cached_deep_kv(d, name, fingerprint, packer, dcfg, compute, flush_every=60.0):
   """The K/V of every record of `packer`, from `compute(rows)` (which yields
   `(rows_b, k, v)` batches of those records) and saved under directory `d`
-  (None: in memory only) as `NAME_{k,v}.npy` + `NAME.json` (the uid of each
-  row), reused record by record while the target and the sequence length are
-  the same: after more data is regenerated only the new records are computed.
-  A cache made for more draft layers serves fewer — its last L layers — so an
-  L = 2, 4, 6, 8 ablation that shares one directory runs the target's clean
-  pass once. Computed batches go straight into memory-mapped `NAME_{k,v}.tmp.npy`
-  (the K/V of all the data can exceed the RAM), and `NAME.tmp.json` lists the
-  records written so far (every `flush_every` seconds): an interrupted pass
-  resumes where it stopped."""
+  (None: in memory only), reused record by record while the target and the
+  sequence length are the same. The directory holds shards `S_{k,v}.npy` +
+  `S.json` (the uid of each row); a pass computes only the records no shard
+  holds, as a new shard (`NAME`, then `NAME-1`, `NAME-2`, ...): more data adds
+  its records and never rewrites what is cached. A cache made for more draft
+  layers serves fewer — its last L layers — so an L = 2, 4, 6, 8 ablation that
+  shares one directory runs the target's clean pass once. Returns `(k, v)`,
+  `[N, L, K, T, D]` each: one shard's arrays, else a `RecordRows` view."""
   n = len(packer.records)
   uids = [r.uid for r in packer.records]
   if not d:
     return _gather(compute(list(range(n))), list(range(n)))
   key = {"fingerprint": fingerprint, "seq_len": packer.seq_len}
   sources = _cached_sources(d, key, dcfg.num_layers)
-  if name in sources and sources[name][0] == uids:
-    return sources[name][1:]
+  for src_uids, k, v in sources.values():
+    if src_uids == uids:
+      return k, v
   found = {}
   for src, (src_uids, _, _) in sources.items():
     for row, uid in enumerate(src_uids):
       found.setdefault(uid, (src, row))
-  tmp = {c: os.path.join(d, f"{name}_{c}.tmp.npy") for c in "kv"}
+  new = list(dict.fromkeys(uid for uid in uids if uid not in found))
+  if new:
+    shard, k, v = _write_shard(d, name, dict(key, num_layers=dcfg.num_layers, uids=new),
+                               uids, compute, flush_every)
+    sources[shard] = (new, k, v)
+    found.update((uid, (shard, row)) for row, uid in enumerate(new))
+  names = sorted({found[uid][0] for uid in uids})
+  where = [(names.index(found[uid][0]), found[uid][1]) for uid in uids]
+  return tuple(RecordRows([sources[s][c] for s in names], where) for c in (1, 2))
+
+
+def _write_shard(d, name, meta, uids, compute, flush_every) -> tuple:
+  """Computes the records `meta["uids"]` (rows of a packer whose records are
+  `uids`) into a new shard of `d`: (shard, k, v). Computed batches go straight
+  into memory-mapped `SHARD_{k,v}.tmp.npy` (the K/V of all the data can exceed
+  the RAM) and `NAME.tmp.json` lists the records written so far (every
+  `flush_every` seconds): an interrupted pass over the same records resumes
+  where it stopped."""
   tmp_meta = os.path.join(d, f"{name}.tmp.json")
-  meta = dict(key, num_layers=dcfg.num_layers, uids=uids)
   write = jax.process_index() == 0  # only the first process writes the cache
-  done = set()
-  if write and os.path.exists(tmp_meta) and all(os.path.exists(t) for t in tmp.values()):
+  shard, done = _shard_name(d, name), set()
+  if write and os.path.exists(tmp_meta):
     with open(tmp_meta) as f:
       partial = json.load(f)
-    if {k: partial.get(k) for k in meta} == meta:
-      done = set(partial.get("done", []))
-  missing = [i for i, uid in enumerate(uids) if uid not in found and uid not in done]
-  print(f"clean K/V ({name}): {n - len(missing)} of {n} records cached in {d}, "
-        f"computing {len(missing)}", flush=True)
+    if ({k: partial.get(k) for k in meta} == meta and all(
+        os.path.exists(os.path.join(d, f"{partial.get('shard')}_{c}.tmp.npy"))
+        for c in "kv")):
+      shard, done = partial["shard"], set(partial.get("done", []))
+  tmp = {c: os.path.join(d, f"{shard}_{c}.tmp.npy") for c in "kv"}
+  row_of = {uid: i for i, uid in enumerate(meta["uids"])}
+  todo = [i for i, uid in enumerate(uids) if uid in row_of and uid not in done]
+  print(f"clean K/V ({name}): {len(uids) - len(todo)} of {len(uids)} records cached "
+        f"in {d}, computing {len(todo)} into {shard}", flush=True)
   os.makedirs(d, exist_ok=True)
-
-  def open_out(shape, dt):
-    """The output arrays, holding every cached record (`done` then lists them)."""
-    if not write:
-      out = tuple(np.zeros(shape, dt) for _ in "kv")
-    elif done:
-      out = tuple(np.load(tmp[c], mmap_mode="r+") for c in "kv")
-    else:
-      out = tuple(np.lib.format.open_memmap(tmp[c], "w+", dt, shape) for c in "kv")
-    for i, uid in enumerate(uids):
-      if uid in found and uid not in done:
-        src, row = found[uid]
-        for x, cached in zip(out, sources[src][1:]):
-          x[i] = cached[row]
-    done.update(uid for uid in uids if uid in found)
-    return out
+  out = tuple(np.load(tmp[c], mmap_mode="r+") for c in "kv") if done else None
 
   def checkpoint():
     if write:
       for x in out:
         x.flush()
       with open(tmp_meta + ".part", "w") as f:
-        json.dump(dict(meta, done=sorted(done)), f)
+        json.dump(dict(meta, shard=shard, done=sorted(done)), f)
       os.replace(tmp_meta + ".part", tmp_meta)
 
-  out = None
-  if done or not missing:
-    like = (sources[found[uids[0]][0]][1] if uids[0] in found
-            else np.load(tmp["k"], mmap_mode="r"))
-    out = open_out((n,) + like.shape[1:], like.dtype)
   last = time.monotonic()
-  for rows_b, k, v in compute(missing) if missing else ():
+  for rows_b, k, v in compute(todo):
     if out is None:
-      out = open_out((n,) + k.shape[1:], k.dtype)
-    out[0][rows_b], out[1][rows_b] = k, v
-    done |= {uids[r] for r in rows_b}
+      shape = (len(row_of),) + k.shape[1:]
+      out = tuple(np.lib.format.open_memmap(tmp[c], "w+", k.dtype, shape) if write
+                  else np.zeros(shape, k.dtype) for c in "kv")
+    at = [row_of[uids[r]] for r in rows_b]
+    out[0][at], out[1][at] = k, v
+    done.update(uids[r] for r in rows_b)
     if time.monotonic() - last > flush_every:
       checkpoint()
       last = time.monotonic()
   if not write:
-    return out
+    return (shard,) + out
   checkpoint()
   del out
   for c in "kv":
-    os.replace(tmp[c], os.path.join(d, f"{name}_{c}.npy"))
-  with open(os.path.join(d, f"{name}.json"), "w") as f:
+    os.replace(tmp[c], os.path.join(d, f"{shard}_{c}.npy"))
+  with open(os.path.join(d, f"{shard}.json"), "w") as f:
     json.dump(meta, f)
   os.remove(tmp_meta)
-  return tuple(np.load(os.path.join(d, f"{name}_{c}.npy"), mmap_mode="r") for c in "kv")
+  return (shard,) + tuple(np.load(os.path.join(d, f"{shard}_{c}.npy"), mmap_mode="r")
+                          for c in "kv")
 
 
 def _host_drafter(config, state: TrainState, fingerprint: str, fixed=None) -> Drafter:
