@@ -142,6 +142,11 @@ def test_prompt_variants_frame_the_same_questions(fixture_data, monkeypatch):
   assert text.startswith("Complete the following Python function")
   assert f"def add_{i}(x):\n" in text and f">>> add_{i}(1) == {i + 1}\n" in text
   assert f"return x + {i}" not in text  # the signature, never the solution
+  cfg.variant = "doc"  # the same, the test shown as HumanEval shows an example
+  doc = {p.uid: p.text for p in data.load_prompts(cfg)}
+  assert sorted(doc) == sorted(f"mbpp:{i}#doc" for i in data_fixture.MBPP_TRAIN_IDS)
+  assert f">>> add_{i}(1)\n    {i + 1}\n" in doc[f"mbpp:{i}#doc"]
+  assert f"return x + {i}" not in doc[f"mbpp:{i}#doc"]
   cfg.variant = "nope"
   with pytest.raises(FlexDraftError, match="unknown prompt variant 'nope'"):
     data.load_prompts(cfg)
@@ -154,6 +159,11 @@ def test_mbpp_function_needs_the_tested_def_on_one_line():
   assert data.mbpp_function(task) == (
       'import math\ndef add(a, b):\n    """Sum two numbers.\n    >>> add(1, 2) == 3\n'
       '    True\n    """')
+  two = dict(task, test_list=["assert add(1, 2) == 3", "assert add(*(2, 2)) == (2 == 2) + 3",
+                              "assert add(0, 0) < 1", "assert add(0, 0"])
+  assert data.mbpp_function(two, examples=True) == (  # tests not `CALL == VALUE` are left out
+      'import math\ndef add(a, b):\n    """Sum two numbers.\n    >>> add(1, 2)\n    3\n'
+      '    >>> add(*(2, 2))\n    (2 == 2) + 3\n    """')
   assert data.mbpp_function(dict(task, code="def add(a,\n        b):\n  return a + b")) == ""
   assert data.mbpp_function(dict(task, code="def other(a):\n  return a")) == ""
 

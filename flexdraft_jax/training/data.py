@@ -9,6 +9,7 @@ order and anchors depend only on (seed, step).
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import glob
 import hashlib
@@ -50,6 +51,8 @@ VARIANTS = {
     "bench": {"gsm8k": MATH_INSTRUCTION, "mbpp": CODE_INSTRUCTION},
     # MBPP tasks framed as HumanEval frames a prompt: a function to complete.
     "fn": {"mbpp": ""},
+    # The same, with every test as a HumanEval-style example (call, then its value).
+    "doc": {"mbpp": ""},
 }
 
 
@@ -68,9 +71,9 @@ def read_source(source: str, path: str, suffix: str = "", variant: str = "") -> 
   elif source == "mbpp":
     # MBPP validation (511-600) + train (601-974); 1-510 are test/few-shot.
     tasks = [r for r in _jsonl(path) if 511 <= int(r["task_id"]) <= 974]
-    if variant == "fn":
+    if variant in ("fn", "doc"):
       rows = [Prompt(f"mbpp:{r['task_id']}", source, complete_function(code))
-              for r in tasks if (code := mbpp_function(r))]
+              for r in tasks if (code := mbpp_function(r, examples=variant == "doc"))]
     else:
       rows = [Prompt(f"mbpp:{r['task_id']}", source,
                      f"{r['text']}\nYour code should pass this test:\n{r['test_list'][0]}")
@@ -86,19 +89,40 @@ def read_source(source: str, path: str, suffix: str = "", variant: str = "") -> 
   return rows
 
 
-def mbpp_function(task: dict) -> str:
+def mbpp_function(task: dict, examples: bool = False) -> str:
   """An MBPP task as a function to complete: the reference code's imports and
   the signature of the function its first test calls, with the task and that
-  test as the docstring ("" when the code defines no such function on one line)."""
+  test as the docstring ("" when the code defines no such function on one line).
+  With `examples`, the docstring shows every `assert CALL == VALUE` test as
+  HumanEval shows one: `>>> CALL`, then `VALUE`."""
   test = task["test_list"][0]
   lines = [l.rstrip() for l in task["code"].replace("\r\n", "\n").split("\n")]
   imports = [l for l in lines if l.startswith(("import ", "from "))]
   for line in lines:
     name = line[4:].partition("(")[0].strip() if line.startswith("def ") else ""
     if name and f"{name}(" in test and line.endswith(":"):
-      doc = f'    """{task["text"].strip()}\n    >>> {test.removeprefix("assert ").strip()}\n    True\n    """'
+      if examples:
+        shown = [f"    >>> {call}\n    {value}"
+                 for call, value in filter(None, map(_call_and_value, task["test_list"]))]
+      else:
+        shown = [f"    >>> {test.removeprefix('assert ').strip()}\n    True"]
+      doc = "\n".join([f'    """{task["text"].strip()}', *shown, '    """'])
       return "\n".join(imports + [line, doc])
   return ""
+
+
+def _call_and_value(test: str):
+  """(CALL, VALUE) source text of `assert CALL == VALUE`, else None."""
+  try:
+    node = ast.parse(test.strip()).body[0]
+  except (SyntaxError, IndexError):
+    return None
+  if not (isinstance(node, ast.Assert) and isinstance(node.test, ast.Compare)
+          and len(node.test.ops) == 1 and isinstance(node.test.ops[0], ast.Eq)):
+    return None
+  source = test.strip()
+  return (ast.get_source_segment(source, node.test.left),
+          ast.get_source_segment(source, node.test.comparators[0]))
 
 
 def load_prompts(data_cfg) -> list:
