@@ -37,10 +37,10 @@ def get_config():
   c.data.max_prompt_tokens = 192
   c.data.max_new_tokens = 256
   c.data.batch_size = 32
-  # 14,482 answers (2.44 M tokens): every prompt of the mix under 192 tokens (8,765;
+  # 16,576 answers (2.72 M tokens): every prompt of the mix under 192 tokens (8,765;
   # 2,176 regenerated at 375ece5, 736 on 2026-11-30, 5,853 GSM8K on 2026-12-01) and
-  # 5,717 to prompt variants of its questions (data.variant "bench" and "fn", also
-  # 2026-12-01), shipped in the repository
+  # 7,811 to prompt variants of its questions (data.variant "bench", "fn" and "doc",
+  # 2026-12-01/02), shipped in the repository
   c.data.packed = os.path.join(REPO, "datasets", "smollm2_135m", "regen.npz")
   # Code answers twice an epoch (the A/B: no loss overall); GSM8K, 81–85 % of the
   # records since 2026-12-01, once (it was 2 for the first 2,912 answers).
