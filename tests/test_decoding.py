@@ -175,7 +175,9 @@ def test_flex_auto_measures_once_per_shape(target, cost_cache, monkeypatch):
 
 
 def test_group_buckets():
-  assert chunk.group_buckets(16, chunk.SpecOptions()) == (2, 3, 5, 9, 16)
+  assert chunk.group_buckets(16, chunk.SpecOptions()) == (2, 3, 4, 8, 16)
+  assert chunk.group_buckets(8, chunk.SpecOptions()) == (2, 3, 4, 8)
+  assert chunk.group_buckets(3, chunk.SpecOptions()) == (2, 3)
   assert chunk.group_buckets(4, chunk.SpecOptions()) == (2, 3, 4)
 
 
@@ -309,7 +311,7 @@ def test_every_verify_length_equals_ar(target, mode):
   drafter = random_drafter(target, block_size=8, noise=0.5)
   ref = fd.generate(target, prompts, max_new_tokens=30)
   buckets = chunk.group_buckets(8, chunk.SpecOptions())
-  assert buckets == (2, 3, 5, 8)
+  assert buckets == (2, 3, 4, 8)
   for k in buckets:
     out = fd.generate(target, prompts, max_new_tokens=30, drafter=drafter, mode=mode,
                       verify_len=k, flex_threshold=1)
@@ -376,7 +378,7 @@ def test_row_tau_is_what_the_batch_s_last_row_gains():
 
 def test_tau_by_length_from_counts_and_confidence():
   d = _driver()
-  assert d.buckets == (2, 3, 5, 8)
+  assert d.buckets == (2, 3, 4, 8)
   state = _conf_state([0.5] * 7)
   # Nothing verified yet: the drafts' confidences. τ(k) = 1 + Σ_{i<k} 0.5^i
   tau = d.tau_by_length(state)
@@ -391,11 +393,12 @@ def test_tau_by_length_from_counts_and_confidence():
   r1, r2 = (80 + w * prior) / (100 + w), (40 + w * prior) / (80 + w)
   assert tau[2] == pytest.approx(1 + r1) and tau[3] == pytest.approx(1 + r1 + r1 * r2)
   # slots 3.. never verified: the prior alone
-  assert tau[5] == pytest.approx(1 + r1 + r1 * r2 * (1 + prior + prior ** 2))
+  assert tau[4] == pytest.approx(1 + r1 + r1 * r2 * (1 + prior))
+  assert tau[8] == pytest.approx(1 + r1 + r1 * r2 * sum(prior ** i for i in range(6)))
   # many more steps: the counts' own rates (0.8, then 0.5) decide
   d.count_acceptance(np.array([0, 20, 40, 40, 0, 0, 0, 0, 0]) * 1000, 3)
   assert d.tau_by_length(state)[3] == pytest.approx(1 + 0.8 + 0.8 * 0.5, abs=2e-3)
-  assert _driver(verify_len=5).buckets == (2, 3, 5)
+  assert _driver(verify_len=5).buckets == (2, 3, 4, 5)
 
 
 def test_acceptance_decays_only_in_the_slots_a_chunk_verified():

@@ -96,10 +96,15 @@ def test_per_layer_layout_holds_the_same_weights(tiny_hf, name):
   cfg, layers = per_layer.config, per_layer.params["layers"]
   assert isinstance(layers, list) and len(layers) == cfg.num_layers
   assert per_layer.fingerprint == stacked.fingerprint
+  assert tr.layer_keys(per_layer.params) == list(stacked.params["layers"])
   for i, layer in enumerate(layers):
-    assert set(layer) == set(stacked.params["layers"])
-    for k, w in layer.items():
-      np.testing.assert_array_equal(w, stacked.params["layers"][k][i])
+    # the matmul weights transposed, [out, in], the rest as they are
+    assert set(layer) == {k + "_t" if k in tr.MATMUL_KEYS else k
+                          for k in stacked.params["layers"]}
+    for k, w in stacked.params["layers"].items():
+      np.testing.assert_array_equal(tr.layer_leaf(per_layer.params, k, i), w[i])
+      if k in tr.MATMUL_KEYS:
+        np.testing.assert_array_equal(layer[k + "_t"], np.asarray(w[i]).T)
   # the unrolled forward reads it and gives the stacked scan's logits
   ids = np.random.default_rng(1).integers(0, cfg.vocab_size, (2, 7))
   pos = jnp.broadcast_to(jnp.arange(7, dtype=jnp.int32), (2, 7))
@@ -110,6 +115,23 @@ def test_per_layer_layout_holds_the_same_weights(tiny_hf, name):
   np.testing.assert_allclose(got, jax_logits(stacked, ids), atol=1e-5, rtol=0)
   with pytest.raises(FlexDraftError, match="layout must be"):
     load_target(tiny_hf[name][0], layout="rows")
+
+
+@pytest.mark.parametrize("rows", [(1, 1), (1, 2), (1, 4), (1, 5), (2, 3), (1, 8), (3, 5),
+                                  (4, 8)])
+def test_transposed_products_equal_the_plain_ones(rows):
+  """`linear` on a `[out, in]` weight (KEY_t) and `matmul_t` give `x @ W` for
+  every row count, the padded ones (5-7, 15 rows) included; a layer dict
+  without KEY_t takes the plain product."""
+  rng = np.random.default_rng(0)
+  x = jnp.asarray(rng.standard_normal(rows + (24,)), jnp.float32)
+  w = jnp.asarray(rng.standard_normal((24, 40)), jnp.float32)
+  want = np.asarray(jnp.einsum("BTI,IO->BTO", x, w))
+  got = jax.jit(lambda x: tr.linear({"up_t": jnp.asarray(w.T)}, "up", x))(x)
+  assert got.shape == rows + (40,)
+  np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(np.asarray(tr.matmul_t(w.T, x)), want, rtol=1e-5, atol=1e-5)
+  np.testing.assert_array_equal(np.asarray(tr.linear({"up": w}, "up", x)), want)
 
 
 def test_sharded_equals_single_file(tiny_hf, sharded_llama_dir):

@@ -28,7 +28,7 @@ class SpecOptions:
   theta: float = 0.0
   strategy: str = "cumulative_product"
   flex_threshold: object = "auto"   # B*: an int, or "auto"
-  group_buckets: tuple = ()         # () -> 2, 3, 5, 9, … up to bs
+  group_buckets: tuple = ()         # () -> 2, 3, 4, 8, 16, … up to bs
   verify_len: Optional[int] = None  # k: verify at most k - 1 drafts (None: bs)
   cost_cache: object = "default"    # flex's step-cost file (see flex.cost_cache_path)
 
@@ -58,12 +58,14 @@ def parse_flex_threshold(value, name: str = "flex_threshold"):
 
 
 def group_buckets(bs: int, opts: SpecOptions) -> tuple:
-  """Group counts G that get a compiled parallel step: 2, 3, 5, 9, 17 … capped at bs."""
+  """Group counts G (verify lengths k) that get a compiled step: 2, 3, 4, 8, 16 …
+  capped at bs. Decoding's products pad more than 4 rows to a multiple of 8
+  (`transformer.matmul_t`), so at batch 1 k = 5-7 costs what k = 8 does."""
   if opts.group_buckets:
     return tuple(sorted(opts.group_buckets))
-  out, v = [], 1
-  while v < bs - 1:
-    out.append(v + 1)
+  out, v = [g for g in (2, 3, 4) if g < bs], 8
+  while v < bs:
+    out.append(v)
     v *= 2
   out.append(bs)
   return tuple(sorted(set(out)))

@@ -273,9 +273,16 @@ _UNSTACKED_MAX = 4
 
 
 def _draft_decoding_params(target_params, cfg, draft_params):
-  """The draft pytree for decoding: per-layer, and with a draft vocabulary its
-  draft head (those rows of the LM head) gathered once here, not every step."""
+  """The draft pytree for decoding: per-layer (matmul weights `[out, in]`, see
+  `transformer.decode_layer`), the calibration's too, and with a draft
+  vocabulary its draft head (those rows of the LM head) gathered once here,
+  not every step."""
   params = _decoding_params(draft_params)
+  calib = params.get("calib")
+  if calib is not None and "w1" in calib:
+    params = dict(params, calib=dict(
+        {k: v for k, v in calib.items() if k not in ("w1", "w2")},
+        w1_t=jnp.asarray(calib["w1"].T), w2_t=jnp.asarray(calib["w2"].T)))
   if "vocab" in params:
     params = dict(params, head=draft_head(target_params, cfg, params))
   return params

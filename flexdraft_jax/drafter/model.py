@@ -121,11 +121,13 @@ def calibration_bias(target_params, cfg: ModelConfig, dcfg: DrafterConfig,
                      calib, x_BxMxH, bonus_BxM, head_VxH=None):
   """The bonus-guided bias `[B, M, V']` added to draft logits (fp32)."""
   e = transformer.embed(target_params, bonus_BxM).astype(x_BxMxH.dtype)
-  z = jax.nn.silu(jnp.concatenate([e, x_BxMxH], -1) @ calib["w1"] + calib["b1"])
-  out = z @ calib["w2"] + calib["b2"]
+  # `calib` may hold w1/w2 transposed as w1_t/w2_t (decoding; see transformer.linear)
+  z = jax.nn.silu(transformer.linear(calib, "w1", jnp.concatenate([e, x_BxMxH], -1))
+                  + calib["b1"])
+  out = transformer.linear(calib, "w2", z) + calib["b2"]
   if not dcfg.calib_tied:
     return out.astype(jnp.float32)
-  return jnp.einsum("BMH,VH->BMV", out, head_VxH, preferred_element_type=jnp.float32)
+  return transformer.matmul_t(head_VxH, out, preferred_element_type=jnp.float32)
 
 
 def draft_logits(target_params, cfg: ModelConfig, drafter: Drafter,
@@ -134,7 +136,7 @@ def draft_logits(target_params, cfg: ModelConfig, drafter: Drafter,
   norm); V' is the draft vocabulary (`to_token_ids` maps indices to ids)."""
   head = draft_head(target_params, cfg, drafter.params)
   x = transformer.rms_norm(hm_BxMxH, target_params["final_norm"], cfg.rms_norm_eps)
-  base = jnp.einsum("BMH,VH->BMV", x, head, preferred_element_type=jnp.float32)
+  base = transformer.matmul_t(head, x, preferred_element_type=jnp.float32)
   if not (calibrate and drafter.config.calibrate):
     return base
   return base + calibration_bias(target_params, cfg, drafter.config,

@@ -64,16 +64,17 @@ def build_params(cfg: ModelConfig, fetch_global: FetchGlobal, fetch_layer: Fetch
   at most one stacked tensor beyond the result.
 
   layout: "stacked" (`layers[key]` is `[n, ...]`; training scans over it) or
-    "layers" (`layers[i][key]`: what decoding reads, without ever building the
-    stacked copy).
+    "layers" (`layers[i][key]`, the matmul weights transposed as KEY + "_t":
+    what decoding reads, without ever building the stacked copy; see
+    `transformer.decode_layer`).
   """
   check_layout(layout)
   params = {k: jnp.asarray(_checked(fetch_global(k), shape, k), dtype=dtype)
             for k, shape in global_shapes(cfg).items()}
   if layout == "layers":
-    params["layers"] = [
+    params["layers"] = [transformer.decode_layer(
         {key: jnp.asarray(_checked(fetch_layer(key, i), shape, f"{key}[layer {i}]"),
-                          dtype=dtype) for key, shape in layer_shapes(cfg).items()}
+                          dtype=dtype) for key, shape in layer_shapes(cfg).items()})
         for i in range(cfg.num_layers)]
     return params
   layers = {}
