@@ -21,6 +21,8 @@ import time
 
 from absl import app, flags
 
+from launch import decode_state
+
 flags.DEFINE_integer("batch", 1, "rows per step")
 flags.DEFINE_list("ks", ["2", "3", "4", "5", "8"], "verify lengths of the sequential steps")
 flags.DEFINE_integer("rounds", 8, "alternating timing rounds")
@@ -33,7 +35,7 @@ PROMPT = ("Natalia sold clips to 48 of her friends in April, and then she sold h
 
 
 def plain(layers: list) -> list:
-  """Per-layer dicts with every KEY_t weight back as KEY, `[in, out]`."""
+  """Weight dicts with every KEY_t weight back as KEY, `[in, out]`."""
   import jax.numpy as jnp
   return [{k.removesuffix("_t"): jnp.asarray(w.T) if k.endswith("_t") else w
            for k, w in layer.items()} for layer in layers]
@@ -50,25 +52,11 @@ def main(argv):
 
   target = fd.load_target("smollm2-135m", layout="layers")
   drafter = fd.load_drafter(sweep.resolve_path(FLAGS.drafter), target)
-  first, real = {}, chunk.run_chunk
-
-  def capture(*a, **kw):  # the first chunk's arguments, before it donates them
-    if not first:
-      first.update(args=a[:2] + (jax.tree.map(jnp.copy, a[2]),), kw=kw)
-    return real(*a, **kw)
-
-  chunk.run_chunk = capture
-  try:
-    fd.generate(target, [PROMPT] * FLAGS.batch, max_new_tokens=128, drafter=drafter,
-                mode="sequential", verify_len=2, stop=[], chat=True)
-  finally:
-    chunk.run_chunk = real
-  (tp, dp, state), kw = first["args"], first["kw"]
-  calib = {k.removesuffix("_t"): jnp.asarray(w.T) if k.endswith("_t") else w
-           for k, w in dp["calib"].items()}
+  (tp, dp, state), kw = decode_state.first_chunk(target, drafter, [PROMPT] * FLAGS.batch)
+  real = chunk.run_chunk
   weights = {"transposed": (tp, dp),
              "plain": (dict(tp, layers=plain(tp["layers"])),
-                       dict(dp, layers=plain(dp["layers"]), calib=calib))}
+                       dict(dp, layers=plain(dp["layers"]), calib=plain([dp["calib"]])[0]))}
 
   def step(tp, dp, st, mode, k):  # one step of the jitted decode loop
     return real(tp, dp, st, **dict(kw, mode=mode, num_groups=k, n_steps=jnp.int32(1))).bonus_B

@@ -27,6 +27,8 @@ import time
 
 from absl import app, flags
 
+from launch import decode_state
+
 flags.DEFINE_integer("batch", 1, "rows per step")
 flags.DEFINE_list("ks", ["1", "2", "4", "8"], "verify lengths to time")
 flags.DEFINE_integer("reps", 20, "timed calls per part (mean reported)")
@@ -54,20 +56,8 @@ def main(argv):
   ks = [int(k) for k in FLAGS.ks]
   # The decode state of a real run: the first chunk's arguments, copied before
   # the chunk consumes (donates) them.
-  first, real = {}, chunk.run_chunk
-
-  def capture(*a, **kw):
-    if not first:
-      first.update(args=a[:2] + (jax.tree.map(jnp.copy, a[2]),), kw=kw)
-    return real(*a, **kw)
-
-  chunk.run_chunk = capture
-  try:
-    fd.generate(target, [PROMPT] * FLAGS.batch, max_new_tokens=128, drafter=drafter,
-                mode="sequential", verify_len=2, stop=[], chat=True)
-  finally:
-    chunk.run_chunk = real
-  (tp, dp, state), kw = first["args"], first["kw"]
+  (tp, dp, state), kw = decode_state.first_chunk(target, drafter, [PROMPT] * FLAGS.batch)
+  real = chunk.run_chunk
   cfg, dcfg, sp = kw["cfg"], kw["dcfg"], kw["sp"]
 
   def ms(f, *args):

@@ -1,0 +1,32 @@
+"""The decode state of a real run, for the step profilers in launch/.
+
+`first_chunk(target, drafter, prompts)` decodes `prompts` (sequential mode,
+the chat template, stops off) and returns the first jitted chunk's arguments —
+`(target_params, draft_params, state)`, copied before the chunk donates them,
+in the layout decoding uses — and its keyword arguments.
+"""
+
+from __future__ import annotations
+
+
+def first_chunk(target, drafter, prompts, max_new_tokens: int = 128) -> tuple:
+  import jax
+  import jax.numpy as jnp
+
+  import flexdraft_jax as fd
+  from flexdraft_jax.decoding import chunk
+
+  first, real = {}, chunk.run_chunk
+
+  def capture(*a, **kw):
+    if not first:
+      first.update(args=a[:2] + (jax.tree.map(jnp.copy, a[2]),), kw=kw)
+    return real(*a, **kw)
+
+  chunk.run_chunk = capture
+  try:
+    fd.generate(target, prompts, max_new_tokens=max_new_tokens, drafter=drafter,
+                mode="sequential", verify_len=2, stop=[], chat=True)
+  finally:
+    chunk.run_chunk = real
+  return first["args"], first["kw"]
