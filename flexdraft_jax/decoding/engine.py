@@ -277,27 +277,30 @@ def _draft_decoding_params(target_params, cfg, draft_params):
   `transformer.decode_layer`), the calibration's too, and with a draft
   vocabulary its draft head (those rows of the LM head) gathered once here,
   not every step."""
-  params = _decoding_params(draft_params)
-  calib = params.get("calib")
-  if calib is not None and "w1" in calib:
-    params = dict(params, calib=dict(
-        {k: v for k, v in calib.items() if k not in ("w1", "w2")},
-        w1_t=jnp.asarray(calib["w1"].T), w2_t=jnp.asarray(calib["w2"].T)))
+  params = _decoding_params(draft_params, _draft_layout)
   if "vocab" in params:
     params = dict(params, head=draft_head(target_params, cfg, params))
   return params
 
 
-def _decoding_params(tree):
+def _draft_layout(draft_params):
+  """A draft pytree per-layer, its calibration MLP's weights transposed too."""
+  params = transformer.unstack_layers(draft_params)
+  if "calib" not in params:
+    return params
+  return dict(params, calib=transformer.decode_layer(params["calib"], keys=("w1", "w2")))
+
+
+def _decoding_params(tree, convert=transformer.unstack_layers):
   """`tree` with per-layer weight arrays: decoding reads each layer's weights in
   place instead of slicing a stacked array. A tree already in that layout
   (`load_target(..., layout="layers")`) is used as is; a stacked one gets a
-  per-layer copy, cached per pytree object."""
+  per-layer copy (`convert`), cached per pytree object."""
   if transformer.is_per_layer(tree):
     return tree
   hit = _unstacked.get(id(tree))
   if hit is None or hit[0] is not tree:
-    hit = (tree, transformer.unstack_layers(tree))
+    hit = (tree, convert(tree))
     _unstacked[id(tree)] = hit
   _unstacked.move_to_end(id(tree))
   while len(_unstacked) > _UNSTACKED_MAX:

@@ -117,8 +117,17 @@ def draft_head(target_params, cfg: ModelConfig, draft_params):
   return head
 
 
+def _head_product(draft_params, head_VxH, x_BxMxH):
+  """`x @ head.T` `[B, M, V']` in fp32. Decoding (the draft head gathered once,
+  `draft_params["head"]`) takes `transformer.matmul_t`, the faster product for
+  a mask block's few rows on a CPU; training keeps the plain one."""
+  if "head" in draft_params:
+    return transformer.matmul_t(head_VxH, x_BxMxH, preferred_element_type=jnp.float32)
+  return jnp.einsum("BMH,VH->BMV", x_BxMxH, head_VxH, preferred_element_type=jnp.float32)
+
+
 def calibration_bias(target_params, cfg: ModelConfig, dcfg: DrafterConfig,
-                     calib, x_BxMxH, bonus_BxM, head_VxH=None):
+                     calib, x_BxMxH, bonus_BxM, head_VxH=None, draft_params=None):
   """The bonus-guided bias `[B, M, V']` added to draft logits (fp32)."""
   e = transformer.embed(target_params, bonus_BxM).astype(x_BxMxH.dtype)
   # `calib` may hold w1/w2 transposed as w1_t/w2_t (decoding; see transformer.linear)
@@ -127,7 +136,7 @@ def calibration_bias(target_params, cfg: ModelConfig, dcfg: DrafterConfig,
   out = transformer.linear(calib, "w2", z) + calib["b2"]
   if not dcfg.calib_tied:
     return out.astype(jnp.float32)
-  return transformer.matmul_t(head_VxH, out, preferred_element_type=jnp.float32)
+  return _head_product(draft_params or {}, head_VxH, out)
 
 
 def draft_logits(target_params, cfg: ModelConfig, drafter: Drafter,
@@ -136,11 +145,12 @@ def draft_logits(target_params, cfg: ModelConfig, drafter: Drafter,
   norm); V' is the draft vocabulary (`to_token_ids` maps indices to ids)."""
   head = draft_head(target_params, cfg, drafter.params)
   x = transformer.rms_norm(hm_BxMxH, target_params["final_norm"], cfg.rms_norm_eps)
-  base = transformer.matmul_t(head, x, preferred_element_type=jnp.float32)
+  base = _head_product(drafter.params, head, x)
   if not (calibrate and drafter.config.calibrate):
     return base
   return base + calibration_bias(target_params, cfg, drafter.config,
-                                 drafter.params["calib"], x, bonus_BxM, head)
+                                 drafter.params["calib"], x, bonus_BxM, head,
+                                 drafter.params)
 
 
 def to_token_ids(draft_params, idx):

@@ -398,13 +398,11 @@ def layer_keys(params) -> list:
           for k in (layers[0] if is_per_layer(params) else layers)]
 
 
-def decode_layer(layer: dict) -> dict:
+def decode_layer(layer: dict, keys=MATMUL_KEYS) -> dict:
   """One layer's weights as the per-layer layout holds them: the matmul
-  weights transposed to `[out, in]` under KEY + "_t" (see `linear`), the rest
-  as they are. Works on host (numpy) or device arrays; each transposed weight
-  is a contiguous copy."""
-  return {(k + "_t" if k in MATMUL_KEYS else k):
-          (jnp.asarray(jnp.swapaxes(w, 0, 1)) if k in MATMUL_KEYS else w)
+  weights (`keys`) transposed to `[out, in]` under KEY + "_t" (see `linear`),
+  the rest as they are; each transposed weight is a contiguous copy."""
+  return {(k + "_t" if k in keys else k): (jnp.swapaxes(w, 0, 1) if k in keys else w)
           for k, w in layer.items()}
 
 
