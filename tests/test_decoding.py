@@ -434,8 +434,9 @@ def test_tau_prior_is_the_mean_confidence_over_choices():
 def test_flex_probes_speculation_again_after_ar_when_it_came_close():
   d = _driver(verify_len=2)
   d.modes = ("sequential",)
-  d.costs = {"ar": 1.0, "sequential": {"2": 1.2}}
-  # τ(2) = 1.1 at 1.2x AR's cost: 0.92x AR, within EXPLORE of the margin
+  d.costs = {"ar": 1.0, "sequential": {"2": 1.1}}
+  # τ(2) = 1.1 at 1.1x AR's cost: as fast as AR, under the margin (a probe
+  # predicted to lose nothing is due after AR_STRETCH steps)
   close = _conf_state([0.1] + [0.5] * 6)
   assert d.choose(close, 1, 2, B=1, S=64) == ("ar", 0)
   # AR runs until the next probe is due, then one short probe chunk
@@ -458,6 +459,29 @@ def test_flex_probes_speculation_again_after_ar_when_it_came_close():
   assert d2.chunk_steps(1, "ar", 0, 1000) == 1000
   d2.observe(np.zeros(9), "ar", 0, B=1, steps=1000, seconds=1000.0)
   assert d2.sticky_ar("ar")
+
+
+def test_flex_probes_later_where_a_probe_could_lose_more():
+  # τ(2) = 1.277 at 1.5x AR's cost: 0.85x AR, close enough to probe, but a
+  # 4-step probe that gained nothing would lose 4 · 0.5 = 2 AR steps: it waits
+  # until that is PROBE_BUDGET of the AR steps since the last probe.
+  d = _driver(verify_len=2)
+  d.modes = ("sequential",)
+  d.costs = {"ar": 1.0, "sequential": {"2": 1.5}}
+  behind = _conf_state([0.277] + [0.5] * 6)
+  assert d.choose(behind, 1, 2, B=1, S=64) == ("ar", 0)
+  wait = int(np.ceil(flex.PROBE_STEPS * 0.5 / flex.PROBE_BUDGET))
+  assert wait > flex.AR_STRETCH
+  assert d.chunk_steps(1, "ar", 0, 1000) == wait
+  assert d.stats()["flex_choices"]["1"]["next_probe_after_ar_steps"] == wait
+  d.observe(np.zeros(9), "ar", 0, B=1, steps=flex.AR_STRETCH,
+            seconds=float(flex.AR_STRETCH))
+  assert d.sticky_ar("ar")  # AR_STRETCH steps are not enough here
+  d.observe(np.zeros(9), "ar", 0, B=1, steps=wait - flex.AR_STRETCH,
+            seconds=float(wait - flex.AR_STRETCH))
+  assert not d.sticky_ar("ar")
+  assert d.choose(behind, 1, 2, B=1, S=64) == ("sequential", 2)
+  assert d.stats()["flex_choices"]["1"]["probe"]
 
 
 def test_flex_corrects_step_costs_with_what_chunks_took():

@@ -23,7 +23,8 @@ mode's costs, so a mode slower than timed falls back to AR at the next choice
 until a (mode, k) has timed steps at this batch shape its chunks are short
 (`PROBE_STEPS`), so a wrong first choice costs a few steps. AR learns nothing
 about acceptance, so where speculation came close flex probes it again after
-`AR_STRETCH` AR steps, then after twice as many, and so on. A batch ends with
+`AR_STRETCH` AR steps, then after twice as many, and so on — later where a
+probe that gained nothing would cost more than `PROBE_BUDGET` of that AR time. A batch ends with
 its slowest row, so at B > 1 the τ that counts is what a speculative step
 gains the row with the most steps left (`row_tau`: each row's own progress in
 speculative steps, or its drafts' confidence, and its tokens left).
@@ -68,6 +69,13 @@ ACCEPT_DECAY = 0.5
 # untouched.
 AR_STRETCH = 16
 EXPLORE = 0.8
+# A probe waits, beyond AR_STRETCH, until what it would lose if it gained
+# nothing (PROBE_STEPS speculative steps in place of as many AR steps) is at
+# most this share of the AR time since the last probe. Not the predicted loss:
+# before anything is verified the prediction rests on the drafts' confidence,
+# which runs high (batch 4 here: predicted 0.92x AR, and the probe gained the
+# batch's last row nothing; two such probes in 64 steps cost ≈ 5 %).
+PROBE_BUDGET = 0.04
 TIMING_ROUNDS = 3  # rounds of timing every variant (measure)
 # How much slower (or faster) than timed a shared CPU may run all modes at
 # once: a mode that has not run since inherits the others' correction up to
@@ -124,7 +132,8 @@ class FlexPolicy:
     # Mean draft confidence per slot over recent choices (decayed), the prior
     # of slots with few verifications.
     self.conf_sum, self.conf_n = np.zeros(bs), 0.0
-    self.ar_stretch = AR_STRETCH   # AR steps before the next probe
+    self.ar_stretch = AR_STRETCH   # AR steps before the next probe, at least
+    self.probe_at = AR_STRETCH     # ... and with PROBE_BUDGET (see choose)
     self.ar_since_probe = 0
     self.probing = False           # the running chunk is a probe
     self.explore_ar = False        # AR was chosen with speculation close behind
@@ -167,7 +176,7 @@ class FlexPolicy:
     if mode == "ar":
       if not self.explore_ar:
         return default
-      return max(1, min(default, self.ar_stretch - self.ar_since_probe))
+      return max(1, min(default, self.probe_at - self.ar_since_probe))
     # The mode's timed steps at any k: its costs at other k are interpolated
     # and share its correction (cost_scale), so a new k needs no probe.
     timed = sum(r[0] for (m, _), r in self.realized.get(B, {}).items() if m == mode)
@@ -215,7 +224,7 @@ class FlexPolicy:
     steps observe no τ, so the prediction cannot change meanwhile."""
     return (self.opts.flex_threshold == "auto" and self.costs is not None
             and last_mode == "ar"
-            and not (self.explore_ar and self.ar_since_probe >= self.ar_stretch))
+            and not (self.explore_ar and self.ar_since_probe >= self.probe_at))
 
   def shape_changed(self):
     self.costs = None  # step costs depend on the batch
@@ -278,7 +287,8 @@ class FlexPolicy:
     if best_rate < (STAY_MARGIN if speculating else AR_MARGIN) * ar_rate:
       # Not worth it by the estimate; probe it now and then if it came close.
       self.explore_ar = best_rate >= EXPLORE * AR_MARGIN * ar_rate
-      if self.explore_ar and self.ar_since_probe >= self.ar_stretch:
+      self.probe_at = self._probe_at(B, best)
+      if self.explore_ar and self.ar_since_probe >= self.probe_at:
         self.probing, self.ar_since_probe = True, 0
         self.ar_stretch *= 2
       else:
@@ -293,8 +303,19 @@ class FlexPolicy:
                                   for (m, kk), r in self.realized.get(B, {}).items()
                                   if r[1] > 0},
         "cost_scale": {m: round(self.cost_scale(B, m), 3) for m in ("ar",) + self.modes},
-        "probe": self.probing}
+        "probe": self.probing,
+        "next_probe_after_ar_steps": (self.probe_at - self.ar_since_probe
+                                      if self.explore_ar and best[0] == "ar" else None)}
     return best
+
+  def _probe_at(self, B: int, best) -> int:
+    """AR steps since the last probe before probing `best` again: `ar_stretch`,
+    or more where PROBE_STEPS steps of `best` that gain nothing over AR would
+    cost more than PROBE_BUDGET of them."""
+    ratio = (self._cost(*best) * self.cost_scale(B, best[0])
+             / (self.costs["ar"] * self.cost_scale(B, "ar")))
+    loss = PROBE_STEPS * max(ratio - 1.0, 0.0)  # AR steps
+    return max(self.ar_stretch, int(np.ceil(loss / PROBE_BUDGET)))
 
   def _see_confidence(self, state):
     """Adds the live rows' mean draft confidence per slot to the decayed mean."""
