@@ -303,6 +303,30 @@ def test_deep_kv_cache_serves_fewer_layers(tmp_path):
   assert calls[-1] == (4, ["a", "b"])
 
 
+def test_deep_kv_cache_stores_the_asked_dtype_and_serves_either(tmp_path):
+  packer, _, calls = _fake_kv_cache(tmp_path, "ab")
+
+  def compute(rows):
+    calls.append([packer.records[i].uid for i in rows])
+    yield from _fake_batches(packer, rows, 2)
+
+  k16, v16 = train._cached_deep_kv(str(tmp_path), "train", "fp", packer,
+                                   DrafterConfig(num_layers=2), compute, dtype="float16")
+  assert k16.dtype == np.float16 and np.load(tmp_path / "train_v.npy").dtype == np.float16
+  expect = np.array([[[ord(u) * 100 + layer] * 3 for layer in range(2)] for u in "ab"],
+                    np.float32)
+  np.testing.assert_array_equal(k16, expect.astype(np.float16))
+  np.testing.assert_array_equal(v16, -expect.astype(np.float16))
+  # more records at the compute dtype: a float32 shard beside the float16 one
+  packer.records.append(types.SimpleNamespace(uid="c"))
+  k, _ = train._cached_deep_kv(str(tmp_path), "train", "fp", packer,
+                               DrafterConfig(num_layers=2), compute)
+  assert calls == [["a", "b"], ["c"]]
+  assert np.load(tmp_path / "train-1_k.npy").dtype == np.float32
+  np.testing.assert_allclose(np.asarray(k[np.arange(3)], np.float32)[2],
+                             ord("c") * 100 + np.array([[0] * 3, [1] * 3]))
+
+
 def test_deep_kv_cache_computes_only_new_records(tmp_path):
   packer, cached, calls = _fake_kv_cache(tmp_path, "ab")
   cached(2)

@@ -76,6 +76,9 @@ def base_config(name: str) -> ml_collections.ConfigDict:
       # Where that cache lives (default WORKDIR/deep_kv). Runs that share one
       # directory share the clean pass; a cache for L layers serves any L' <= L.
       deep_kv_dir="",
+      # The dtype new cache shards store ("": the compute dtype; "float16"
+      # halves the disk and page cache the steps read; they cast it back).
+      deep_kv_dtype="",
       # A saved drafter to start from (warm start, fresh optimizer): its mask and
       # attention as they are, calibration columns matched by token id.
       init_from=""))
@@ -140,6 +143,9 @@ def check_train_config(config) -> None:
     _need(isinstance(v, numbers.Real) and math.isfinite(v) and v > 0, f"train.{name}",
           "a finite number > 0", v)
   _need(tc.loss in ("ce", "kl"), "train.loss", "'ce' or 'kl'", tc.loss)
+  kv_dtype = tc.get("deep_kv_dtype", "")
+  _need(kv_dtype in ("", "float32", "float16", "bfloat16"), "train.deep_kv_dtype",
+        "'', 'float32', 'float16' or 'bfloat16'", kv_dtype)
 
 
 def qwen3_config(name: str, env_var: str, default_path: str, num_layers: int):

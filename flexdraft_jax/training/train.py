@@ -208,7 +208,8 @@ def _setup(config, workdir=None):
         compute = functools.partial(iter_deep_kv, p, target_params, cfg, dcfg,
                                     tc, rep, name)  # rows -> batches
         kv_dir = tc.deep_kv_dir or (workdir and os.path.join(workdir, "deep_kv"))
-        p.deep_kv = _cached_deep_kv(kv_dir, name, target.fingerprint, p, dcfg, compute)
+        p.deep_kv = _cached_deep_kv(kv_dir, name, target.fingerprint, p, dcfg, compute,
+                                    dtype=tc.get("deep_kv_dtype") or None)
     # The steps read the deep layers only: their weights as separate arrays,
     # sliced once here rather than in every step.
     target_params = jax.jit(functools.partial(transformer.deep_layers_view,
@@ -280,7 +281,7 @@ class RecordRows:
     self._shard = np.array([s for s, _ in where], np.int64)
     self._row = np.array([r for _, r in where], np.int64)
     self.shape = (len(where),) + tuple(shards[0].shape[1:])
-    self.dtype = shards[0].dtype
+    self.dtype = np.result_type(*[s.dtype for s in shards])  # float16 + float32: float32
 
   def __len__(self) -> int:
     return self.shape[0]
@@ -295,10 +296,10 @@ class RecordRows:
       parts[s] = at, np.asarray(self.shards[s][(self._row[idx[at]],) + key[1:]])
     for at, x in parts.values():
       if out is None:
-        out = np.empty((len(idx),) + x.shape[1:], x.dtype)
+        out = np.empty((len(idx),) + x.shape[1:], self.dtype)
       out[at] = x
     if out is None:  # no rows
-      out = np.asarray(self.shards[0][(np.zeros((0,), np.int64),) + key[1:]])
+      out = np.asarray(self.shards[0][(np.zeros((0,), np.int64),) + key[1:]], self.dtype)
     return out[0] if scalar else out
 
   def __array__(self, dtype=None, copy=None):
@@ -334,7 +335,8 @@ def _shard_name(d, name) -> str:
   return shard
 
 
-def _cached_deep_kv(d, name, fingerprint, packer, dcfg, compute, flush_every=60.0):
+def _cached_deep_kv(d, name, fingerprint, packer, dcfg, compute, flush_every=60.0,
+                    dtype=None):
   """The K/V of every record of `packer`, from `compute(rows)` (which yields
   `(rows_b, k, v)` batches of those records) and saved under directory `d`
   (None: in memory only), reused record by record while the target and the
@@ -343,8 +345,10 @@ def _cached_deep_kv(d, name, fingerprint, packer, dcfg, compute, flush_every=60.
   holds, as a new shard (`NAME`, then `NAME-1`, `NAME-2`, ...): more data adds
   its records and never rewrites what is cached. A cache made for more draft
   layers serves fewer — its last L layers — so an L = 2, 4, 6, 8 ablation that
-  shares one directory runs the target's clean pass once. Returns `(k, v)`,
-  `[N, L, K, T, D]` each: one shard's arrays, else a `RecordRows` view."""
+  shares one directory runs the target's clean pass once. New shards store
+  `dtype` (None: as computed; "float16" halves the disk, and the steps cast it
+  back); shards of either serve. Returns `(k, v)`, `[N, L, K, T, D]` each: one
+  shard's arrays, else a `RecordRows` view."""
   n = len(packer.records)
   uids = [r.uid for r in packer.records]
   if not d:
@@ -361,7 +365,7 @@ def _cached_deep_kv(d, name, fingerprint, packer, dcfg, compute, flush_every=60.
   new = list(dict.fromkeys(uid for uid in uids if uid not in found))
   if new:
     shard, k, v = _write_shard(d, name, dict(key, num_layers=dcfg.num_layers, uids=new),
-                               uids, compute, flush_every)
+                               uids, compute, flush_every, dtype)
     sources[shard] = (new, k, v)
     found.update((uid, (shard, row)) for row, uid in enumerate(new))
   names = sorted({found[uid][0] for uid in uids})
@@ -369,7 +373,7 @@ def _cached_deep_kv(d, name, fingerprint, packer, dcfg, compute, flush_every=60.
   return tuple(RecordRows([sources[s][c] for s in names], where) for c in (1, 2))
 
 
-def _write_shard(d, name, meta, uids, compute, flush_every) -> tuple:
+def _write_shard(d, name, meta, uids, compute, flush_every, dtype=None) -> tuple:
   """Computes the records `meta["uids"]` (rows of a packer whose records are
   `uids`) into a new shard of `d`: (shard, k, v). Computed batches go straight
   into memory-mapped `SHARD_{k,v}.tmp.npy` (the K/V of all the data can exceed
@@ -406,8 +410,9 @@ def _write_shard(d, name, meta, uids, compute, flush_every) -> tuple:
   for rows_b, k, v in compute(todo):
     if out is None:
       shape = (len(row_of),) + k.shape[1:]
-      out = tuple(np.lib.format.open_memmap(tmp[c], "w+", k.dtype, shape) if write
-                  else np.zeros(shape, k.dtype) for c in "kv")
+      dt = np.dtype(dtype or k.dtype)
+      out = tuple(np.lib.format.open_memmap(tmp[c], "w+", dt, shape) if write
+                  else np.zeros(shape, dt) for c in "kv")
     at = [row_of[uids[r]] for r in rows_b]
     out[0][at], out[1][at] = k, v
     done.update(uids[r] for r in rows_b)
