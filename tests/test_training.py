@@ -779,7 +779,19 @@ def test_warm_start_keeps_weights_and_matches_calibration_by_token_id(target):
   np.testing.assert_array_equal(out["mask"][2], src["mask"])
   with pytest.raises(Exception, match="draft layers"):
     train.warm_start(fresh, Drafter(full_cfg, dict(src, layers={
-        k: v[:1] for k, v in src["layers"].items()})), cfg, dcfg)
+        k: v[..., :1] for k, v in src["layers"].items()})), cfg, dcfg)
+  # fewer source layers fill the top ones; the rest keep their init
+  one = train.warm_start(fresh, Drafter(full_cfg, dict(src, layers={
+      k: v[1:] for k, v in src["layers"].items()})), cfg, dcfg)
+  np.testing.assert_array_equal(one["layers"]["q"][1], src["layers"]["q"][1])
+  np.testing.assert_array_equal(one["layers"]["q"][0], fresh["layers"]["q"][0])
+  assert not np.array_equal(one["layers"]["q"][0], src["layers"]["q"][0])
+  # more source layers give their top ones
+  small = init_draft_params(target.params, cfg, DrafterConfig(
+      num_layers=1, block_size=4, calib_rank=16, draft_vocab=4, per_slot_mask=True),
+      jax.random.PRNGKey(0), vocab=vocab)
+  top = train.warm_start(small, Drafter(full_cfg, src), cfg, dcfg)
+  np.testing.assert_array_equal(top["layers"]["q"][0], src["layers"]["q"][1])
 
 
 def test_per_slot_masks_equal_to_one_vector_change_nothing(target):

@@ -458,14 +458,21 @@ def _draft_vocab(workdir, records, size: int, cfg) -> np.ndarray:
 def warm_start(params, source: Drafter, cfg, dcfg) -> dict:
   """`params` (a fresh draft pytree) with the weights of a trained drafter: the
   mask and attention as they are, the calibration output columns matched by
-  token id (ids the source never drafted start at zero)."""
+  token id (ids the source never drafted start at zero). Draft layers match
+  from the top: a source with fewer layers fills this config's last ones (the
+  others keep their init, copies of the target's projectors), one with more
+  gives its last ones."""
   src = source.params
   out = jax.tree.map(np.asarray, params)
-  if src["layers"]["q"].shape != out["layers"]["q"].shape:
-    raise FlexDraftError(f"init_from drafter has draft layers of shape "
-                         f"{src['layers']['q'].shape}, this config "
-                         f"{out['layers']['q'].shape}")
-  out["layers"] = jax.tree.map(np.asarray, src["layers"])
+  have, want = src["layers"]["q"].shape, out["layers"]["q"].shape
+  if have[1:] != want[1:] or set(src["layers"]) != set(out["layers"]):
+    raise FlexDraftError(f"init_from drafter has draft layers of shape {have}, this "
+                         f"config {want}")
+  n = min(have[0], want[0])
+  for key, x in src["layers"].items():
+    layers = np.array(out["layers"][key])
+    layers[want[0] - n:] = np.asarray(x)[have[0] - n:]
+    out["layers"][key] = layers
   out["mask"] = np.broadcast_to(np.asarray(src["mask"]), out["mask"].shape).copy()
   if "bonus_in" in src and "bonus_in" in out:
     out["bonus_in"] = np.asarray(src["bonus_in"])
