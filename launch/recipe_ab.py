@@ -28,7 +28,9 @@ flags.DEFINE_integer("rows", 49152, "mask rows per variant")
 flags.DEFINE_string("runs", "runs/ab", "one workdir per variant under this")
 flags.DEFINE_string("deep_kv_dir", "", "shared clean K/V cache (train.deep_kv_dir)")
 flags.DEFINE_string("regen_dir", "", "regenerated answers (data.regen_dir): pin a "
-                    "snapshot while regenerate adds to the usual one")
+                    "snapshot while regenerate adds to the usual one (the shipped "
+                    "dataset is then not unpacked into it)")
+flags.DEFINE_string("deep_kv_dtype", "", "train.deep_kv_dtype of new cache shards")
 flags.DEFINE_string("out", "docs/results/recipe_ab.md", "markdown table")
 flags.DEFINE_list("only", [], "run only these variants")
 
@@ -51,6 +53,14 @@ VARIANTS = {
     "bs8_bonus": ("block size 8, slot 0 reads the bonus (bonus_input)",
                   {"drafter.block_size": 8, "drafter.bonus_input": True}),
 }
+# The shipped recipe (block size 8, bonus input, 16 seq × 4 anchors, lr 3e-3) at
+# L = 4, 6, 8 draft layers (the paper: 10 of Qwen3-8B's 36). Run L8 first: its
+# clean K/V cache serves the fewer layers too.
+SHIPPED = {"drafter.block_size": 8, "drafter.bonus_input": True,
+           "train.batch_size": 16, "train.lr": 3e-3}
+for _l in (8, 6, 4):
+  VARIANTS[f"ship_L{_l}"] = (f"the shipped recipe, L = {_l} draft layers",
+                             dict(SHIPPED, **{"drafter.num_layers": _l}))
 EVAL = {"train.num_eval": 64, "train.eval_anchors": 16, "train.eval_batch_size": 8}
 
 
@@ -65,6 +75,9 @@ def overrides(name: str) -> dict:
     o["train.deep_kv_dir"] = FLAGS.deep_kv_dir
   if FLAGS.regen_dir:
     o["data.regen_dir"] = FLAGS.regen_dir
+    o["data.packed"] = ""
+  if FLAGS.deep_kv_dtype:
+    o["train.deep_kv_dtype"] = FLAGS.deep_kv_dtype
   return o
 
 
@@ -94,7 +107,7 @@ def main(argv):
       summary = json.load(f)
     results[name] = (last_eval(workdir), summary, o)
   lines = [
-      f"Recipe A/B: SmolLM2-135M drafters (L=4) trained from scratch on the same "
+      f"Recipe A/B: SmolLM2-135M drafters (L=4 unless named) trained from scratch on the same "
       f"regenerated data for {FLAGS.rows:,} mask rows each, evaluated on the same "
       f"{EVAL['train.num_eval']} held-out sequences × {EVAL['train.eval_anchors']} "
       "anchor blocks.", "",
