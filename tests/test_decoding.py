@@ -578,6 +578,17 @@ def test_flex_falls_back_to_ar_when_speculation_is_slower_than_timed(
     assert why["choice"] == ["ar", 0] and why["cost_scale"]["sequential"] > 100
 
 
+def test_step_cost_key_names_the_cost_model_version(monkeypatch):
+  # costs timed before a change to the decode step are not reused after it
+  d = _driver()
+  d.target = types.SimpleNamespace(fingerprint="fp")
+  d.drafter.config.num_layers, d.drafter.config.draft_vocab = 4, 0
+  now = d.cost_key(1, 256)
+  assert now == d.cost_key(1, 256) and now != d.cost_key(4, 256)
+  monkeypatch.setattr(flex, "STEP_COST_VERSION", flex.STEP_COST_VERSION - 1)
+  assert d.cost_key(1, 256) != now
+
+
 def test_step_cost_cache_location_and_failures(target, tmp_path, monkeypatch):
   monkeypatch.delenv("FLEXDRAFT_COST_CACHE", raising=False)
   monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))

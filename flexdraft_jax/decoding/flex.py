@@ -77,6 +77,10 @@ EXPLORE = 0.8
 # batch's last row nothing; two such probes in 64 steps cost ≈ 5 %).
 PROBE_BUDGET = 0.04
 TIMING_ROUNDS = 3  # rounds of timing every variant (measure)
+# Part of the step-cost cache key: bump it when a change to the decode step
+# changes what a step costs, so costs timed before it are timed again
+# (2: the transposed decode layout and buckets 2, 3, 4, 8, 16, 2026-12-02).
+STEP_COST_VERSION = 2
 # How much slower (or faster) than timed a shared CPU may run all modes at
 # once: a mode that has not run since inherits the others' correction up to
 # this factor; beyond it the slowdown is the mode's own (cost_scale).
@@ -357,7 +361,7 @@ class FlexPolicy:
     dev = jax.devices()[0]
     d = self.drafter.config
     return "|".join(map(str, (
-        self.target.fingerprint, dev.platform, dev.device_kind, len(jax.devices()),
+        f"v{STEP_COST_VERSION}", self.target.fingerprint, dev.platform, dev.device_kind, len(jax.devices()),
         jax.__version__, B, S, d.block_size, d.num_layers, d.draft_vocab,
         self.opts.theta > 0, self.buckets, self.modes)))
 
