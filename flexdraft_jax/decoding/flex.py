@@ -24,10 +24,11 @@ until a (mode, k) has timed steps at this batch shape its chunks are short
 (`PROBE_STEPS`), so a wrong first choice costs a few steps. AR learns nothing
 about acceptance, so where speculation came close flex probes it again after
 `AR_STRETCH` AR steps, then after twice as many, and so on — later where a
-probe that gained nothing would cost more than `PROBE_BUDGET` of that AR time. A batch ends with
-its slowest row, so at B > 1 the τ that counts is what a speculative step
-gains the row with the most steps left (`row_tau`: each row's own progress in
-speculative steps, or its drafts' confidence, and its tokens left).
+probe that gained nothing would cost more than `PROBE_BUDGET` of that AR
+time. A batch ends with its slowest row, so at B > 1 the τ that counts is
+what a speculative step gains the row with the most steps left (`row_tau`:
+each row's own progress in speculative steps, or its drafts' confidence, and
+its tokens left).
 The measured costs are kept in a JSON file (see `cost_cache_path`) and in memory.
 """
 
@@ -361,8 +362,8 @@ class FlexPolicy:
     dev = jax.devices()[0]
     d = self.drafter.config
     return "|".join(map(str, (
-        f"v{STEP_COST_VERSION}", self.target.fingerprint, dev.platform, dev.device_kind, len(jax.devices()),
-        jax.__version__, B, S, d.block_size, d.num_layers, d.draft_vocab,
+        f"v{STEP_COST_VERSION}", self.target.fingerprint, dev.platform, dev.device_kind,
+        len(jax.devices()), jax.__version__, B, S, d.block_size, d.num_layers, d.draft_vocab,
         self.opts.theta > 0, self.buckets, self.modes)))
 
   def measure(self, state, B: int, S: int) -> dict:

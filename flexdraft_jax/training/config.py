@@ -144,8 +144,8 @@ def check_train_config(config) -> None:
           "a finite number > 0", v)
   _need(tc.loss in ("ce", "kl"), "train.loss", "'ce' or 'kl'", tc.loss)
   kv_dtype = tc.get("deep_kv_dtype", "")
-  _need(kv_dtype in ("", "float32", "float16", "bfloat16"), "train.deep_kv_dtype",
-        "'', 'float32', 'float16' or 'bfloat16'", kv_dtype)
+  _need(kv_dtype in ("", "float32", "float16"), "train.deep_kv_dtype",
+        "'', 'float32' or 'float16'", kv_dtype)
 
 
 def qwen3_config(name: str, env_var: str, default_path: str, num_layers: int):
