@@ -223,6 +223,35 @@ def test_mask_rows_layout():
   np.testing.assert_array_equal(m.group_M, [0, 0, 0, 0, 1, 1, 1, 1])
 
 
+def test_block_diagonal_mask_attention_equals_the_group_mask():
+  """Training's anchor blocks scored against their own block's keys only
+  (`extra_block`) give the group-mask attention's output and gradients."""
+  from flexdraft_jax.model import attention
+  rng = np.random.default_rng(0)
+  B, K, G, D, S, n, bs = 2, 3, 3, 8, 24, 5, 4
+  normal = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)
+  q, k, v = normal(B, n * bs, K * G, D), normal(B, K, S, D), normal(B, K, S, D)
+  xk, xv = normal(B, n * bs, K, D), normal(B, n * bs, K, D)
+  # limits -1 (no clean key: the block's own keys only) up to the whole cache
+  limit = jnp.asarray(np.repeat(rng.integers(-1, S, (B, n)), bs, axis=1), jnp.int32)
+  group = jnp.repeat(jnp.arange(n), bs)
+
+  def out_and_grads(block):
+    f = lambda q, xk, xv, k: attention.attend_xla(q, k, v, limit, xk, xv, group, group,
+                                                  extra_block=block)
+    return f(q, xk, xv, k), jax.grad(lambda *a: jnp.sum(f(*a) ** 2), (0, 1, 2, 3))(
+        q, xk, xv, k)
+
+  (want, want_g), (got, got_g) = out_and_grads(None), out_and_grads(bs)
+  np.testing.assert_allclose(got, want, atol=1e-5)
+  for g, w in zip(got_g, want_g):
+    np.testing.assert_allclose(g, w, atol=1e-4)
+  # the mask rows of loss.mask_rows carry the block; decoding's do not
+  assert loss_lib.mask_rows(jnp.array([[3, 10]]), 4).block == 4
+  with pytest.raises(ValueError, match="extra_block=3"):
+    attention.attend_xla(q, k, v, limit, xk, xv, group, group, extra_block=3)
+
+
 @pytest.mark.parametrize("name", ["tiny", "tiny-qwen3", "tiny-qwen2"])
 def test_dual_path_clean_rows_equal_target(name):
   t = tiny.tiny_target(name, seed=3)
@@ -261,6 +290,33 @@ def test_precomputed_deep_kv_gives_the_same_loss(regen, target):
   loss2, m2 = f(dict(batch, **loss_lib.deep_kv_entries(k, v)))
   np.testing.assert_allclose(loss2, loss, rtol=1e-6)
   assert float(m2["tau"]) == float(m["tau"])
+
+
+def test_batches_cut_to_their_longest_sequence_give_the_same_loss(regen, target):
+  """Without precomputed K/V a batch is cut to its longest sequence rounded up
+  to `width_multiple`; the step's loss and metrics do not change, and a
+  process's share of a global batch is cut to the global batch's width."""
+  recs = data.load_records(regen[0])
+  dcfg = DrafterConfig(num_layers=2, block_size=4, calib_rank=8, bonus_input=True)
+  pack = lambda m: data.Packer(recs, seq_len=96, anchors=3, block_size=4, pad_id=256,
+                               seed=0, width_multiple=m)
+  full, cut = pack(0).train_batch(0, 4), pack(8).train_batch(0, 4)
+  longest = int(full["length_B"].max())
+  assert full["tokens_BxT"].shape[1] == 96
+  assert cut["tokens_BxT"].shape[1] == -(-longest // 8) * 8 < 96
+  np.testing.assert_array_equal(cut["tokens_BxT"], full["tokens_BxT"][:, :-(-longest // 8) * 8])
+  draft = init_draft_params(target.params, target.config, dcfg, jax.random.PRNGKey(0))
+  f = lambda b: loss_lib.loss_and_metrics(draft, target.params, target.config, dcfg, b)
+  (loss, m), (loss_cut, m_cut) = f(full), f(cut)
+  np.testing.assert_allclose(loss_cut, loss, rtol=1e-5)
+  assert float(m_cut["tau"]) == float(m["tau"])
+  np.testing.assert_array_equal(m_cut["acc_S"], m["acc_S"])
+  # the row of the longest sequence cut out of the global batch: the width stays
+  longest_row = int(np.argmax(full["length_B"]))
+  rows = (0, 1) if longest_row else (1, 2)
+  share = pack(8).train_batch(0, 4, rows)
+  assert -(-int(share["length_B"].max()) // 8) * 8 < cut["tokens_BxT"].shape[1]
+  assert share["tokens_BxT"].shape == (1, cut["tokens_BxT"].shape[1])
 
 
 def _fake_batches(packer, rows, n):

@@ -27,10 +27,24 @@ import jax.numpy as jnp
 NEG_INF = -1e30
 
 
+def _softmax(s):
+  """Softmax over the last axis; keys at NEG_INF get 0, a row with none all 0."""
+  m = jnp.max(s, axis=-1, keepdims=True)
+  p = jnp.where(s > NEG_INF / 2, jnp.exp(s - m), 0.0)
+  denom = jnp.sum(p, axis=-1, keepdims=True)
+  return p / jnp.where(denom > 0, denom, 1.0)
+
+
 def attend_xla(q_BxTxNxD, k_BxKxSxD, v_BxKxSxD, limit_BxT,
                xk_BxExKxD=None, xv_BxExKxD=None,
-               q_group_T=None, k_group_E=None):
+               q_group_T=None, k_group_E=None, *, extra_block=None):
   """Reference attention (fp32 softmax); GQA without repeating K/V.
+
+  `extra_block` (static): the queries are exactly the extra keys' rows and
+  form contiguous groups of `extra_block` rows (training's anchor blocks:
+  group_T = group_E = [0]*bs + [1]*bs + ...). Each row then scores only the
+  extra keys of its own block, `[T, bs]` instead of `[T, T]` — the same
+  result, without a score matrix that grows with the square of the rows.
 
   Returns `[B, T, N, D]` in q's dtype. A row that sees no key returns zeros.
   """
@@ -46,6 +60,9 @@ def attend_xla(q_BxTxNxD, k_BxKxSxD, v_BxKxSxD, limit_BxT,
   visible_BxRxS = jnp.arange(S)[None, None, :] <= limit_BxR[:, :, None]
   scores = [jnp.where(visible_BxRxS[:, None], s_BxKxRxS, NEG_INF)]
   has_extra = xk_BxExKxD is not None and xk_BxExKxD.shape[1] > 0
+  if has_extra and extra_block:
+    return _attend_blocks(q_BxKxRxD, scores[0], v_BxKxSxD, xk_BxExKxD, xv_BxExKxD,
+                          extra_block, (B, T, N, D)).astype(q_BxTxNxD.dtype)
   if has_extra:
     xk_BxKxExD = xk_BxExKxD.transpose(0, 2, 1, 3)
     x_BxKxRxE = jnp.einsum("BKRD,BKED->BKRE", q_BxKxRxD, xk_BxKxExD,
@@ -53,11 +70,7 @@ def attend_xla(q_BxTxNxD, k_BxKxSxD, v_BxKxSxD, limit_BxT,
     q_group_R = jnp.repeat(q_group_T, G)
     same_RxE = (q_group_R[:, None] >= 0) & (q_group_R[:, None] == k_group_E[None, :])
     scores.append(jnp.where(same_RxE[None, None], x_BxKxRxE, NEG_INF))
-  s = jnp.concatenate(scores, axis=-1) if has_extra else scores[0]
-  m = jnp.max(s, axis=-1, keepdims=True)
-  p = jnp.where(s > NEG_INF / 2, jnp.exp(s - m), 0.0)
-  denom = jnp.sum(p, axis=-1, keepdims=True)
-  p = p / jnp.where(denom > 0, denom, 1.0)
+  p = _softmax(jnp.concatenate(scores, axis=-1) if has_extra else scores[0])
   o_BxKxRxD = jnp.einsum("BKRS,BKSD->BKRD", p[..., :S].astype(v_BxKxSxD.dtype),
                          v_BxKxSxD, preferred_element_type=jnp.float32)
   if has_extra:
@@ -66,6 +79,33 @@ def attend_xla(q_BxTxNxD, k_BxKxSxD, v_BxKxSxD, limit_BxT,
                             preferred_element_type=jnp.float32)
   o = o_BxKxRxD.reshape(B, K, T, G, D).transpose(0, 2, 1, 3, 4).reshape(B, T, N, D)
   return o.astype(q_BxTxNxD.dtype)
+
+
+def _attend_blocks(q_BxKxRxD, s_BxKxRxS, v_BxKxSxD, xk_BxExKxD, xv_BxExKxD,
+                   block: int, shape):
+  """`attend_xla`'s output `[B, T, N, D]` (fp32) when the T query rows are the
+  E = T extra keys' rows in contiguous groups of `block` (see `extra_block`)."""
+  B, T, N, D = shape
+  K, S = v_BxKxSxD.shape[1], v_BxKxSxD.shape[2]
+  G, n = N // K, T // block
+  if T % block or xk_BxExKxD.shape[1] != T:
+    raise ValueError(f"extra_block={block} needs the {T} query rows to be the "
+                     f"extra keys' rows, {xk_BxExKxD.shape[1]} of them, in whole blocks")
+  # Row r = t·G + g with t = i·block + j, so a block's rows are contiguous.
+  q_BxKxnxPxD = q_BxKxRxD.reshape(B, K, n, block * G, D)
+  xk_BxKxnxCxD, xv_BxKxnxCxD = (
+      x.transpose(0, 2, 1, 3).reshape(B, K, n, block, D) for x in (xk_BxExKxD, xv_BxExKxD))
+  x_BxKxnxPxC = jnp.einsum("BKnPD,BKnCD->BKnPC", q_BxKxnxPxD, xk_BxKxnxCxD,
+                           preferred_element_type=jnp.float32)
+  p = _softmax(jnp.concatenate(
+      [s_BxKxRxS, x_BxKxnxPxC.reshape(B, K, T * G, block)], axis=-1))
+  o_BxKxRxD = jnp.einsum("BKRS,BKSD->BKRD", p[..., :S].astype(v_BxKxSxD.dtype),
+                         v_BxKxSxD, preferred_element_type=jnp.float32)
+  o_BxKxRxD += jnp.einsum(
+      "BKnPC,BKnCD->BKnPD", p[..., S:].reshape(B, K, n, block * G, block)
+      .astype(xv_BxKxnxCxD.dtype), xv_BxKxnxCxD,
+      preferred_element_type=jnp.float32).reshape(B, K, T * G, D)
+  return o_BxKxRxD.reshape(B, K, T, G, D).transpose(0, 2, 1, 3, 4).reshape(B, T, N, D)
 
 
 def attend_xla_blocked(q_BxTxNxD, k_BxKxSxD, v_BxKxSxD, limit_BxT,
@@ -133,11 +173,13 @@ def attend(q_BxTxNxD, k_BxKxSxD, v_BxKxSxD, limit_BxT,
            xk_BxExKxD=None, xv_BxExKxD=None,
            q_group_T: Optional[jax.Array] = None,
            k_group_E: Optional[jax.Array] = None, *, impl: str = "xla",
-           kv_block: Optional[int] = None):
+           kv_block: Optional[int] = None, extra_block: Optional[int] = None):
   """Attention under the position-limit + group layout (see module doc).
 
   `kv_block` (xla only): read the cache in blocks up to the largest limit
   (decoding); None reads it whole (differentiable: training).
+  `extra_block` (xla, whole-cache path): the queries are the extra keys' rows
+  in contiguous groups of that many rows (see `attend_xla`).
   """
   if resolve_impl(impl) == "pallas":
     from flexdraft_jax.kernels import attention as pallas_attention
@@ -149,4 +191,5 @@ def attend(q_BxTxNxD, k_BxKxSxD, v_BxKxSxD, limit_BxT,
                               xk_BxExKxD, xv_BxExKxD, q_group_T, k_group_E,
                               kv_block=kv_block)
   return attend_xla(q_BxTxNxD, k_BxKxSxD, v_BxKxSxD, limit_BxT,
-                    xk_BxExKxD, xv_BxExKxD, q_group_T, k_group_E)
+                    xk_BxExKxD, xv_BxExKxD, q_group_T, k_group_E,
+                    extra_block=extra_block)

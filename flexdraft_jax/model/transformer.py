@@ -63,12 +63,15 @@ class MaskRows(NamedTuple):
   pos_BxM: RoPE position of each mask row; limit_BxM: last cache slot it may
   see; group_M: its group id (rows of one group attend to each other);
   bonus_BxM: the bonus token of each row's group, for a drafter that reads it
-  at slot 0 (`bonus_in`), else None.
+  at slot 0 (`bonus_in`), else None; block: a static int when the groups are
+  contiguous runs of that many rows (training's anchor blocks), so a
+  mask-only pass scores each row against its own block's keys only.
   """
   pos_BxM: jax.Array
   limit_BxM: jax.Array
   group_M: jax.Array
   bonus_BxM: Optional[jax.Array] = None
+  block: Optional[int] = None
 
 
 def mask_input(params, draft, masks: MaskRows, dtype):
@@ -268,7 +271,8 @@ def _layer_step(*, cfg, lp, dp, h_BxTxH, hm_BxMxH, ck, cv, layer, pos_BxT, masks
       jnp.concatenate(q_rows, axis=1), ck if layer is None else ck[layer],
       cv if layer is None else cv[layer], jnp.concatenate(limits, axis=1),
       mask_k, mask_v, jnp.concatenate(groups), masks.group_M if with_masks else None,
-      impl=attn_impl, kv_block=kv_block)
+      impl=attn_impl, kv_block=kv_block,
+      extra_block=masks.block if with_masks and not T else None)
   o_BxRxND = o_BxRxNxD.reshape(o_BxRxNxD.shape[:2] + (-1,))
   if T:
     h_BxTxH = _residual(lp, lp, h_BxTxH, o_BxRxND[:, :T], eps)

@@ -73,6 +73,10 @@ def base_config(name: str) -> ml_collections.ConfigDict:
       # host memory instead of a clean pass per step (CE loss only; memory
       # N·T·L·2·kv_size·bytes — for small targets).
       precompute_kv=False,
+      # Without it, each batch is cut to its longest sequence rounded up to this
+      # multiple (0: every batch seq_len wide): the clean pass in the step then
+      # costs the batch's tokens, at one compiled step per width.
+      width_multiple=64,
       # Where that cache lives (default WORKDIR/deep_kv). Runs that share one
       # directory share the clean pass; a cache for L layers serves any L' <= L.
       deep_kv_dir="",
@@ -135,7 +139,8 @@ def check_train_config(config) -> None:
   for name, low in (("batch_size", 1), ("anchors_per_seq", 1), ("num_steps", 1),
                     ("warmup_steps", 0), ("log_every", 1), ("eval_every", 0),
                     ("num_eval", 0), ("eval_batch_size", 1), ("eval_anchors", 0),
-                    ("ckpt_every", 1), ("max_to_keep", 1), ("stop_at_step", 0)):
+                    ("ckpt_every", 1), ("max_to_keep", 1), ("stop_at_step", 0),
+                    ("width_multiple", 0)):
     _int(tc, name, low, "train")
   _int(tc, "seq_len", dc.block_size + 2, "train")
   for name in ("lr", "gamma"):

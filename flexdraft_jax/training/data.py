@@ -438,14 +438,21 @@ class Packer:
   is an answer token) with a + bs <= seq_len - 1 and a + 1 < length. With
   fewer candidates than anchors, anchors repeat; with none, the row has no
   valid anchor (weight 0).
+
+  `width_multiple` > 0 cuts a batch without precomputed K/V to its longest
+  sequence rounded up to that multiple (at most `seq_len`): the step's clean
+  pass then costs the batch's tokens, not `seq_len` per row, for one compiled
+  shape per width. Causal attention makes the cut padding irrelevant, and no
+  anchor block reads past a sequence's end.
   """
 
   def __init__(self, records: list, *, seq_len: int, anchors: int, block_size: int,
-               pad_id: int, seed: int, source_weights=None):
+               pad_id: int, seed: int, source_weights=None, width_multiple: int = 0):
     if not records:
       raise FlexDraftError("no training records")
     self.records, self.seq_len, self.K = records, seq_len, anchors
     self.bs, self.pad_id, self.seed = block_size, pad_id, seed
+    self.width_multiple = width_multiple
     self.deep_kv = None  # optional (k, v) per record, [N, L, K, T, D] each
     # An epoch visits each record `source_weights[source]` times (default 1).
     weights = dict(source_weights or {})
@@ -478,7 +485,10 @@ class Packer:
     return {"tokens_BxT": tokens, "length_B": np.int32(length),
             "anchor_BxK": np.sort(anchors).astype(np.int32), "anchor_ok_BxK": ok}
 
-  def batch(self, indices, keys) -> dict:
+  def batch(self, indices, keys, width_of=None) -> dict:
+    """Examples of records `indices`; a cut batch is as wide as the records
+    `width_of` need (default: these; a process's share of a global batch
+    passes the global batch's, so every process has one shape)."""
     rows = [self.example(self.records[i], k) for i, k in zip(indices, keys)]
     out = {k: np.stack([r[k] for r in rows]) for k in rows[0]}
     if self.deep_kv is not None:  # per layer, as loss.deep_kv_entries lays them out
@@ -486,7 +496,16 @@ class Packer:
       for c, kv in zip("kv", self.deep_kv):
         for l in range(kv.shape[1]):
           out[f"deep_{c}{l}"] = kv[idx, l]
+    elif self.width_multiple:
+      out["tokens_BxT"] = out["tokens_BxT"][:, :self.width(width_of or indices)]
     return out
+
+  def width(self, indices) -> int:
+    """The cut width of a batch of records `indices` (see `width_multiple`)."""
+    longest = max(len(self.records[i].prompt_ids) + len(self.records[i].answer_ids)
+                  for i in indices)
+    m = self.width_multiple
+    return min(self.seq_len, -(-longest // m) * m)
 
   def train_indices(self, step: int, batch_size: int) -> tuple:
     """Record indices and anchor keys of global rows of batch `step`: epoch-wise
@@ -510,9 +529,10 @@ class Packer:
   def train_batch(self, step: int, batch_size: int, rows=None) -> dict:
     """Batch `step` (rows = (start, stop) of the global batch for this process)."""
     idx, keys = self.train_indices(step, batch_size)
+    every = idx
     if rows is not None:
       idx, keys = idx[rows[0]:rows[1]], keys[rows[0]:rows[1]]
-    return self.batch(idx, keys)
+    return self.batch(idx, keys, width_of=every)
 
   def eval_batches(self, batch_size: int, rows=None) -> list:
     """Fixed batches over every record (anchors from a fixed key), padded by
@@ -523,9 +543,10 @@ class Packer:
       idx = [min(start + b, n - 1) for b in range(batch_size)]
       keys = [(self.seed, 2, i) for i in idx]
       real = np.array([start + b < n for b in range(batch_size)])
+      every = idx
       if rows is not None:
         idx, keys, real = idx[rows[0]:rows[1]], keys[rows[0]:rows[1]], real[rows[0]:rows[1]]
-      batch = self.batch(idx, keys)
+      batch = self.batch(idx, keys, width_of=every)
       batch["anchor_ok_BxK"] &= real[:, None]
       out.append(batch)
     return out

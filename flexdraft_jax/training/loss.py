@@ -27,7 +27,7 @@ def mask_rows(anchor_BxK, bs: int) -> transformer.MaskRows:
   pos = (anchor_BxK[:, :, None] + 1 + j).reshape(B, K * bs)
   limit = jnp.repeat(anchor_BxK, bs, axis=1)
   group = jnp.repeat(jnp.arange(K, dtype=jnp.int32), bs)
-  return transformer.MaskRows(pos, limit, group)
+  return transformer.MaskRows(pos, limit, group, block=bs)
 
 
 def slot_weights(bs: int, gamma: float):

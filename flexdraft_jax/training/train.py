@@ -167,7 +167,8 @@ def _setup(config, workdir=None):
   cfg = target.config
   dcfg.validate(cfg)
   pack = functools.partial(data.Packer, seq_len=tc.seq_len, block_size=dcfg.block_size,
-                           pad_id=cfg.pad_token_id, seed=tc.seed)
+                           pad_id=cfg.pad_token_id, seed=tc.seed,
+                           width_multiple=tc.get("width_multiple", 0))
   packers = (pack(train_recs, anchors=tc.anchors_per_seq,
                   source_weights=dict(config.data.get("source_weights", {}))),
              pack(eval_recs, anchors=tc.eval_anchors or tc.anchors_per_seq)
