@@ -14,7 +14,11 @@ decoding; parallel mode refuses it): a 6.3 M-parameter drafter (12.6 MB in bf16)
 The recipe (block size, learning rate, anchors, vocabulary, mask embedding,
 bonus input) was chosen by the A/B in docs/results/recipe_ab.md; the clean
 pass over the data runs once (train.precompute_kv; ~6 GB memory-mapped under
-WORKDIR/deep_kv, or train.deep_kv_dir to share it between runs).
+WORKDIR/deep_kv, or train.deep_kv_dir to share it between runs). On a fresh
+machine --config.train.precompute_kv=False --config.train.batch_size=4
+--config.train.anchors_per_seq=64 skips that pass (the clean pass runs in the
+step, shared by 64 anchor blocks a sequence; README: "Training without the clean
+K/V cache"); the L = 8 drafter flexdraft_jax/drafters/smollm2_135m_L8 was trained so.
 """
 
 import os

@@ -7,6 +7,9 @@ Builds the trainer exactly as `train` does (target, records, the precomputed
 clean K/V, the jitted step), runs 2 untimed steps, then times `--steps` steps,
 batch assembly on the host included, and prints mask rows/s with an analytic
 per-row FLOP breakdown (forward + backward) of where a step's compute goes.
+Without precomputed K/V a batch is cut to its own width (`train.width_multiple`),
+and the first step of each new width compiles: those steps are left out and the
+rate is the median step's.
 Point PYTHONPATH at another checkout to time its trainer with the same data.
 """
 
@@ -52,23 +55,26 @@ def main(argv):
   rows_per_step = tc.batch_size * tc.anchors_per_seq * bs
   rows = sharding.local_rows(tc.batch_size)
 
-  def run(first, n):
-    nonlocal state
-    for step in range(first, first + n):
-      batch = sharding.put_batch(packer.train_batch(step, tc.batch_size, rows), mesh,
-                                 tc.batch_size)
-      state, m = train_step(state, target_params, batch)
+  widths, times = set(), []
+  for step in range(2 + FLAGS.steps):
+    t0 = time.perf_counter()
+    host = packer.train_batch(step, tc.batch_size, rows)
+    state, m = train_step(state, target_params,
+                          sharding.put_batch(host, mesh, tc.batch_size))
     jax.block_until_ready(m)
-
-  run(0, 2)
-  t0 = time.perf_counter()
-  run(2, FLAGS.steps)
-  dt = (time.perf_counter() - t0) / FLAGS.steps
+    width = host["tokens_BxT"].shape[1]
+    if step >= 2 and width in widths:  # not a compile
+      times.append(time.perf_counter() - t0)
+    widths.add(width)
+  if not times:
+    raise SystemExit("every timed step compiled a new batch width: raise --steps")
+  dt = float(sorted(times)[len(times) // 2])
   # Rows that draft (slot 0 only carries attention for the others).
   parts = flops_per_row(info["target"].config, config.drafter, tc.seq_len)
   drafting_rows = tc.batch_size * tc.anchors_per_seq * (bs - 1)
   total = sum(parts.values())
-  out = {"seconds_per_step": round(dt, 3), "mask_rows_per_step": rows_per_step,
+  out = {"seconds_per_step": round(dt, 3), "timed_steps": len(times),
+         "widths": sorted(widths), "mask_rows_per_step": rows_per_step,
          "mask_rows_per_s": round(rows_per_step / dt, 1),
          "draft_vocab": config.drafter.get("draft_vocab", 0),
          "gflop_per_step_est": round(total * drafting_rows / 1e9, 1),
