@@ -74,7 +74,7 @@ def main(argv):
   ax1.set_xscale("log")
   ax1.set_xlabel("mask rows seen")
   ax1.set_ylabel("offline τ")
-  ax1.legend()
+  ax1.legend(loc="upper left", fontsize=7)  # the curves rise to the right
   for j in range(1, 5):
     ax2.plot(rows, [p[1 + j] for p in points], "o-", label=f"slot {j}")
   ax2.set_xscale("log")
