@@ -60,52 +60,41 @@ def attend_xla(q_BxTxNxD, k_BxKxSxD, v_BxKxSxD, limit_BxT,
   visible_BxRxS = jnp.arange(S)[None, None, :] <= limit_BxR[:, :, None]
   scores = [jnp.where(visible_BxRxS[:, None], s_BxKxRxS, NEG_INF)]
   has_extra = xk_BxExKxD is not None and xk_BxExKxD.shape[1] > 0
-  if has_extra and extra_block:
-    return _attend_blocks(q_BxKxRxD, scores[0], v_BxKxSxD, xk_BxExKxD, xv_BxExKxD,
-                          extra_block, (B, T, N, D)).astype(q_BxTxNxD.dtype)
   if has_extra:
-    xk_BxKxExD = xk_BxExKxD.transpose(0, 2, 1, 3)
-    x_BxKxRxE = jnp.einsum("BKRD,BKED->BKRE", q_BxKxRxD, xk_BxKxExD,
-                           preferred_element_type=jnp.float32)
-    q_group_R = jnp.repeat(q_group_T, G)
-    same_RxE = (q_group_R[:, None] >= 0) & (q_group_R[:, None] == k_group_E[None, :])
-    scores.append(jnp.where(same_RxE[None, None], x_BxKxRxE, NEG_INF))
+    xk_BxKxExD, xv_BxKxExD = (x.transpose(0, 2, 1, 3) for x in (xk_BxExKxD, xv_BxExKxD))
+    if extra_block:
+      E, n = xk_BxKxExD.shape[2], T // extra_block
+      if T % extra_block or E != T:
+        raise ValueError(f"extra_block={extra_block} needs the {T} query rows to be "
+                         f"the extra keys' rows, {E} of them, in whole blocks")
+      # Row r = t·G + g with t = i·block + j: a block's rows are contiguous.
+      blocks = lambda x, rows: x.reshape(B, K, n, rows, x.shape[-1])
+      x_BxKxRxE = jnp.einsum(
+          "BKnPD,BKnCD->BKnPC", blocks(q_BxKxRxD, extra_block * G),
+          blocks(xk_BxKxExD, extra_block),
+          preferred_element_type=jnp.float32).reshape(B, K, T * G, extra_block)
+    else:
+      x_BxKxRxE = jnp.einsum("BKRD,BKED->BKRE", q_BxKxRxD, xk_BxKxExD,
+                             preferred_element_type=jnp.float32)
+      q_group_R = jnp.repeat(q_group_T, G)
+      same_RxE = (q_group_R[:, None] >= 0) & (q_group_R[:, None] == k_group_E[None, :])
+      x_BxKxRxE = jnp.where(same_RxE[None, None], x_BxKxRxE, NEG_INF)
+    scores.append(x_BxKxRxE)
   p = _softmax(jnp.concatenate(scores, axis=-1) if has_extra else scores[0])
   o_BxKxRxD = jnp.einsum("BKRS,BKSD->BKRD", p[..., :S].astype(v_BxKxSxD.dtype),
                          v_BxKxSxD, preferred_element_type=jnp.float32)
   if has_extra:
-    o_BxKxRxD += jnp.einsum("BKRE,BKED->BKRD", p[..., S:].astype(xv_BxExKxD.dtype),
-                            xv_BxExKxD.transpose(0, 2, 1, 3),
-                            preferred_element_type=jnp.float32)
+    p_x = p[..., S:].astype(xv_BxKxExD.dtype)
+    if extra_block:
+      o_BxKxRxD += jnp.einsum(
+          "BKnPC,BKnCD->BKnPD", blocks(p_x, extra_block * G),
+          blocks(xv_BxKxExD, extra_block),
+          preferred_element_type=jnp.float32).reshape(B, K, T * G, D)
+    else:
+      o_BxKxRxD += jnp.einsum("BKRE,BKED->BKRD", p_x, xv_BxKxExD,
+                              preferred_element_type=jnp.float32)
   o = o_BxKxRxD.reshape(B, K, T, G, D).transpose(0, 2, 1, 3, 4).reshape(B, T, N, D)
   return o.astype(q_BxTxNxD.dtype)
-
-
-def _attend_blocks(q_BxKxRxD, s_BxKxRxS, v_BxKxSxD, xk_BxExKxD, xv_BxExKxD,
-                   block: int, shape):
-  """`attend_xla`'s output `[B, T, N, D]` (fp32) when the T query rows are the
-  E = T extra keys' rows in contiguous groups of `block` (see `extra_block`)."""
-  B, T, N, D = shape
-  K, S = v_BxKxSxD.shape[1], v_BxKxSxD.shape[2]
-  G, n = N // K, T // block
-  if T % block or xk_BxExKxD.shape[1] != T:
-    raise ValueError(f"extra_block={block} needs the {T} query rows to be the "
-                     f"extra keys' rows, {xk_BxExKxD.shape[1]} of them, in whole blocks")
-  # Row r = t·G + g with t = i·block + j, so a block's rows are contiguous.
-  q_BxKxnxPxD = q_BxKxRxD.reshape(B, K, n, block * G, D)
-  xk_BxKxnxCxD, xv_BxKxnxCxD = (
-      x.transpose(0, 2, 1, 3).reshape(B, K, n, block, D) for x in (xk_BxExKxD, xv_BxExKxD))
-  x_BxKxnxPxC = jnp.einsum("BKnPD,BKnCD->BKnPC", q_BxKxnxPxD, xk_BxKxnxCxD,
-                           preferred_element_type=jnp.float32)
-  p = _softmax(jnp.concatenate(
-      [s_BxKxRxS, x_BxKxnxPxC.reshape(B, K, T * G, block)], axis=-1))
-  o_BxKxRxD = jnp.einsum("BKRS,BKSD->BKRD", p[..., :S].astype(v_BxKxSxD.dtype),
-                         v_BxKxSxD, preferred_element_type=jnp.float32)
-  o_BxKxRxD += jnp.einsum(
-      "BKnPC,BKnCD->BKnPD", p[..., S:].reshape(B, K, n, block * G, block)
-      .astype(xv_BxKxnxCxD.dtype), xv_BxKxnxCxD,
-      preferred_element_type=jnp.float32).reshape(B, K, T * G, D)
-  return o_BxKxRxD.reshape(B, K, T, G, D).transpose(0, 2, 1, 3, 4).reshape(B, T, N, D)
 
 
 def attend_xla_blocked(q_BxTxNxD, k_BxKxSxD, v_BxKxSxD, limit_BxT,
