@@ -445,6 +445,22 @@ def test_loss_weights_and_offline_tau():
   m = loss_lib.offline_metrics(logits, labels, valid, jnp.ones((1, 2), bool))
   assert float(m["tau"]) == pytest.approx((3 + 1) / 2)
   np.testing.assert_allclose(m["acc_S"], [0.0, 0.5, 1.0, 0.5])
+  ok = jnp.array([[True, False]])                   # anchor 1 padding
+  s = loss_lib.offline_sums(logits, labels, valid, ok, per_anchor=True)
+  np.testing.assert_array_equal(s["tau_BxK"], [[3.0, 0.0]])
+  assert float(s["tau_sum"]) == 3.0
+  assert "tau_BxK" not in loss_lib.offline_sums(logits, labels, valid, ok)
+
+
+def test_walk_tau_visits_the_anchors_decoding_would():
+  # τ 3 at answer token 0 -> the next step starts at token 3 (τ 1), then 4 (τ 2),
+  # then 6 (τ 5, past the end): 4 steps for 7 tokens; the anchors between are
+  # never visited, whatever their τ.
+  assert loss_lib.walk_tau(np.array([3, 9, 9, 1, 2, 9, 5])) == (7, 4)
+  assert loss_lib.walk_tau(np.ones(5)) == (5, 5)
+  assert loss_lib.walk_tau(np.array([], np.float32)) == (0, 0)
+  # an anchor without a τ (0: padding) still moves on by one token
+  assert loss_lib.walk_tau(np.zeros(3)) == (3, 3)
 
 
 # ----------------------------------------------------------------- steps ----

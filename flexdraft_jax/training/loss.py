@@ -74,12 +74,13 @@ def _cache_from_deep(batch, cfg: ModelConfig, num_draft_layers: int, dtype):
 
 def loss_sums(draft_params, target_params, cfg: ModelConfig, dcfg: DrafterConfig,
               batch: dict, *, gamma: float = 7.0, loss_type: str = "ce",
-              attn_impl: str = "xla"):
+              attn_impl: str = "xla", per_anchor: bool = False):
   """Additive statistics of a batch, so data-parallel shards can be summed.
 
   Returns (loss_num, sums): loss_num = Σ weight·loss over (anchor, slot);
   sums = {weight, loss_num, correct_S, n_slot_S, tau_sum, n_anchor}.
-  `finalize(sums)` turns them into the loss and metrics.
+  `finalize(sums)` turns them into the loss and metrics. `per_anchor` adds
+  `tau_BxK`, each anchor's τ (0 where not `anchor_ok`), which is not additive.
   """
   bs = dcfg.block_size
   tokens, length = batch["tokens_BxT"], batch["length_B"]
@@ -140,7 +141,7 @@ def loss_sums(draft_params, target_params, cfg: ModelConfig, dcfg: DrafterConfig
   w_BxKxS = valid_BxKxS * in_vocab * slot_weights(bs, gamma)[1:]
   loss_num = jnp.sum(per_BxKxS * w_BxKxS)
   sums = offline_sums(logits_BxKxSxV, label_BxKxS, valid_BxKxS, anchor_ok,
-                      in_vocab_BxKxS=in_vocab)
+                      in_vocab_BxKxS=in_vocab, per_anchor=per_anchor)
   sums.update(weight=jnp.sum(w_BxKxS), loss_num=jax.lax.stop_gradient(loss_num))
   return loss_num, sums
 
@@ -157,7 +158,7 @@ def _draft_index(draft, cfg: ModelConfig, label_BxKxS):
 
 
 def offline_sums(logits_BxKxSxV, label_BxKxS, valid_BxKxS, anchor_ok_BxK,
-                 in_vocab_BxKxS=None) -> dict:
+                 in_vocab_BxKxS=None, per_anchor: bool = False) -> dict:
   """Counts behind per-slot accuracy and offline τ, over the drafting slots
   1..bs-1 (S = bs - 1 of them; `correct_S`/`n_slot_S` get a zero slot 0 in
   front so index j is slot j).
@@ -172,10 +173,24 @@ def offline_sums(logits_BxKxSxV, label_BxKxS, valid_BxKxS, anchor_ok_BxK,
   run = jnp.cumprod(correct.astype(jnp.int32), axis=-1)
   tau_BxK = 1.0 + jnp.sum(run, axis=-1)
   slot0 = lambda x: jnp.pad(x, (1, 0))
-  return {"correct_S": slot0(jnp.sum(correct, axis=(0, 1)).astype(jnp.float32)),
+  extra = {"tau_BxK": tau_BxK * anchor_ok_BxK} if per_anchor else {}
+  return extra | {"correct_S": slot0(jnp.sum(correct, axis=(0, 1)).astype(jnp.float32)),
           "n_slot_S": slot0(jnp.sum(valid_BxKxS, axis=(0, 1)).astype(jnp.float32)),
           "tau_sum": jnp.sum(tau_BxK * anchor_ok_BxK),
           "n_anchor": jnp.sum(anchor_ok_BxK).astype(jnp.float32)}
+
+
+def walk_tau(tau_A) -> tuple:
+  """(tokens, steps) of sequential decoding over one answer, predicted from the
+  offline τ at each of its anchors (`tau_A[i]`: the block whose bonus is answer
+  token i): from the first anchor, each step moves on by its τ. Decoding visits
+  the anchors right after a miss, where drafts do worse than at a random
+  anchor, so tokens / steps is the online τ the uniform mean overstates."""
+  i, steps = 0, 0
+  while i < len(tau_A):
+    i += max(int(tau_A[i]), 1)
+    steps += 1
+  return len(tau_A), steps
 
 
 def finalize(sums: dict) -> dict:
