@@ -831,6 +831,64 @@ def test_a_warm_started_run_is_scored_before_its_first_step(regen, target, tmp_p
   assert os.path.isdir(tmp_path / "b" / "best_drafter")
 
 
+def test_constant_schedule_holds_the_rate_whatever_num_steps():
+  import ml_collections
+  tc = ml_collections.ConfigDict(dict(lr=1e-3, warmup_steps=10, num_steps=100,
+                                      schedule="constant", clip_norm=1.0, b1=0.9,
+                                      b2=0.95, weight_decay=0.0))
+  _, constant = train.make_optimizer(tc)
+  tc.schedule = "cosine"
+  _, cosine = train.make_optimizer(tc)
+  assert float(constant(5)) == pytest.approx(5e-4) == float(cosine(5))
+  assert float(constant(100)) == float(constant(10_000)) == pytest.approx(1e-3)
+  assert float(cosine(100)) == pytest.approx(5e-5)
+
+
+def test_moving_average_is_scored_exported_and_resumed(regen, target, tmp_path):
+  # Turned on when resuming a run without one, the average starts at the
+  # restored weights; at a decay near 1 it stays there while training moves on.
+  first = train.train(tiny.tiny_config(regen[0], num_steps=4, eval_every=4,
+                                       ckpt_every=4), str(tmp_path / "a"))
+  cfg = tiny.tiny_config(regen[0], num_steps=8, eval_every=4, ckpt_every=4,
+                         ema_decay=1 - 1e-7)
+  held = train.train(cfg, str(tmp_path / "a"))
+  start, moved = _flat(first.params), _flat(held.params)
+  for k in start:
+    np.testing.assert_allclose(moved[k], start[k], atol=1e-5)
+  exported = _flat(drafter_ckpt.load_drafter(str(tmp_path / "a" / "final_drafter"),
+                                             target).params)
+  for k in start:
+    np.testing.assert_allclose(exported[k], start[k], atol=2e-2, rtol=1e-2)  # bf16
+  row = _read_csv(tmp_path / "a" / "metrics.csv")[-1]
+  assert row["step"] == "8" and abs(float(row["eval_loss"]) - first_eval_loss(
+      tmp_path / "a")) < 1e-4
+  assert abs(float(row["raw_eval_loss"]) - float(row["eval_loss"])) > 1e-3
+
+  # An average kept from the start resumes exactly, and a decay near 0 is the
+  # trained weights: the same run as without one.
+  kw = dict(num_steps=8, eval_every=4, ckpt_every=2, ema_decay=0.5)
+  whole = train.train(tiny.tiny_config(regen[0], **kw), str(tmp_path / "b"))
+  train.train(tiny.tiny_config(regen[0], stop_at_step=3, **kw), str(tmp_path / "c"))
+  resumed = train.train(tiny.tiny_config(regen[0], **kw), str(tmp_path / "c"))
+  a, b = _flat(whole.params), _flat(resumed.params)
+  for k in a:
+    np.testing.assert_array_equal(a[k], b[k])
+  plain = train.train(tiny.tiny_config(regen[0], num_steps=8, eval_every=4),
+                      str(tmp_path / "d"))
+  near = train.train(tiny.tiny_config(regen[0], num_steps=8, eval_every=4,
+                                      ema_decay=1e-9), str(tmp_path / "e"))
+  p, n = _flat(plain.params), _flat(near.params)
+  assert any(np.abs(a[k] - p[k]).max() > 1e-4 for k in a)   # 0.5 averages
+  for k in p:
+    np.testing.assert_allclose(n[k], p[k], atol=1e-6)
+
+
+def first_eval_loss(workdir):
+  """The eval loss a run logged at its first eval row."""
+  return next(float(r["eval_loss"]) for r in _read_csv(os.path.join(workdir, "metrics.csv"))
+              if r["eval_loss"])
+
+
 def test_warm_start_keeps_weights_and_matches_calibration_by_token_id(target):
   cfg = target.config
   full_cfg = DrafterConfig(num_layers=2, block_size=4, calib_rank=16)

@@ -85,7 +85,15 @@ def base_config(name: str) -> ml_collections.ConfigDict:
       deep_kv_dtype="",
       # A saved drafter to start from (warm start, fresh optimizer): its mask and
       # attention as they are, calibration columns matched by token id.
-      init_from=""))
+      init_from="",
+      # "cosine" (warm-up, then cosine to 5 % of lr at num_steps) or "constant"
+      # (warm-up, then lr): a constant rate does not depend on num_steps, so a
+      # run can be extended on resume without a jump in its learning rate.
+      schedule="cosine",
+      # > 0 (e.g. 0.998): the drafter that is scored, exported and returned is an
+      # exponential moving average of the trained weights (started at the initial
+      # ones); the checkpoint keeps both. 0: the trained weights themselves.
+      ema_decay=0.0))
 
   c.mesh = ml_collections.ConfigDict(dict(data=-1, model=1))
   c.distributed = ml_collections.ConfigDict(dict(
@@ -148,6 +156,11 @@ def check_train_config(config) -> None:
     _need(isinstance(v, numbers.Real) and math.isfinite(v) and v > 0, f"train.{name}",
           "a finite number > 0", v)
   _need(tc.loss in ("ce", "kl"), "train.loss", "'ce' or 'kl'", tc.loss)
+  _need(tc.get("schedule", "cosine") in ("cosine", "constant"), "train.schedule",
+        "'cosine' or 'constant'", tc.get("schedule"))
+  ema = tc.get("ema_decay", 0.0)
+  _need(isinstance(ema, numbers.Real) and 0 <= ema < 1, "train.ema_decay",
+        "a number in [0, 1)", ema)
   kv_dtype = tc.get("deep_kv_dtype", "")
   _need(kv_dtype in ("", "float32", "float16"), "train.deep_kv_dtype",
         "'', 'float32' or 'float16'", kv_dtype)

@@ -3,8 +3,9 @@
 Trains the draft pytree on regenerated data (SPEC §4): only the drafter is
 differentiated and has optimizer state; the target pytree is an input of the
 jitted step and comes back untouched. Checkpoints (orbax, async, atomic) hold
-(step, draft params, optimizer state) and resume exactly: batch order and
-anchors depend only on (seed, step). WORKDIR gets:
+(step, draft params, optimizer state, their moving average with
+train.ema_decay > 0) and resume exactly: batch order and anchors depend only on
+(seed, step). WORKDIR gets:
 
   ckpt/               orbax CheckpointManager
   metrics.csv         per logged step; eval rows carry eval_tau / eval_loss
@@ -52,13 +53,23 @@ class TrainState(NamedTuple):
   step: jax.Array
   params: Any        # the draft pytree (fp32 master copy)
   opt_state: Any
+  ema: Any = None    # moving average of params (train.ema_decay > 0), else None
+
+
+def scored_params(state: TrainState):
+  """The weights a run scores and exports: the moving average when it keeps one."""
+  return state.params if state.ema is None else state.ema
 
 
 def make_optimizer(tc) -> tuple:
-  """AdamW (decay on matrices only) + warmup-cosine + global-norm clipping."""
-  schedule = optax.warmup_cosine_decay_schedule(
-      0.0, tc.lr, max(tc.warmup_steps, 1), max(tc.num_steps, tc.warmup_steps + 1),
-      end_value=tc.lr * 0.05)
+  """AdamW (decay on matrices only) + warm-up, then cosine or constant +
+  global-norm clipping."""
+  if tc.get("schedule", "cosine") == "constant":
+    schedule = optax.warmup_constant_schedule(0.0, tc.lr, max(tc.warmup_steps, 1))
+  else:
+    schedule = optax.warmup_cosine_decay_schedule(
+        0.0, tc.lr, max(tc.warmup_steps, 1), max(tc.num_steps, tc.warmup_steps + 1),
+        end_value=tc.lr * 0.05)
   decay_mask = lambda p: jax.tree_util.tree_map_with_path(
       lambda path, _: path[-1].key in DECAY_KEYS, p)
   tx = optax.chain(optax.clip_by_global_norm(tc.clip_norm),
@@ -106,10 +117,13 @@ def make_steps(cfg, dcfg, tx, schedule, tc, shardings: dict, mesh, fixed=None):
     grads = jax.tree.map(lambda g: g / jnp.maximum(sums["weight"], 1e-9), grads)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
+    ema = state.ema
+    if ema is not None:
+      ema = jax.tree.map(lambda e, p: e + (1.0 - tc.ema_decay) * (p - e), ema, params)
     m = loss_lib.finalize(sums)
     m.update(grad_norm=optax.tree.norm(grads), lr=schedule(state.step),
              tokens=sums["tokens"])
-    return TrainState(state.step + 1, params, opt_state), m
+    return TrainState(state.step + 1, params, opt_state, ema), m
 
   def eval_step(params, target_params, batch):
     return eval_sums(params, target_params, batch)
@@ -198,9 +212,13 @@ def _setup(config, workdir=None):
   params = sharding.put_global(draft0, params_sh)
   rep = NamedSharding(mesh, P())
   opt_state = jax.jit(tx.init)(params)
+  # The average starts at the initial weights, in buffers of its own (the state
+  # is donated to the step).
+  ema = sharding.put_global(draft0, params_sh) if tc.get("ema_decay", 0.0) else None
   state_sh = TrainState(rep, params_sh,
-                        sharding.state_shardings(opt_state, params_sh, mesh))
-  state = jax.device_put(TrainState(jnp.int32(0), params, opt_state), state_sh)
+                        sharding.state_shardings(opt_state, params_sh, mesh),
+                        None if ema is None else params_sh)
+  state = jax.device_put(TrainState(jnp.int32(0), params, opt_state, ema), state_sh)
   shardings_ = {"state": state_sh, "target": target_sh, "replicated": rep,
                 "batch": sharding.batch_sharding(mesh)}
   if tc.precompute_kv:
@@ -434,7 +452,7 @@ def _write_shard(d, name, meta, uids, compute, flush_every, dtype=None) -> tuple
 
 
 def _host_drafter(config, state: TrainState, fingerprint: str, fixed=None) -> Drafter:
-  params = dict(sharding.to_host(state.params), **jax.device_get(fixed or {}))
+  params = dict(sharding.to_host(scored_params(state)), **jax.device_get(fixed or {}))
   return Drafter(drafter_config(config), params, fingerprint)
 
 
@@ -496,13 +514,24 @@ def warm_start(params, source: Drafter, cfg, dcfg) -> dict:
 
 
 def _restore(mngr, state):
-  """(start step, state, meta) from the latest checkpoint, if any."""
+  """(start step, state, meta) from the latest checkpoint, if any. A run that
+  turns the moving average on resumes a checkpoint without one with the
+  average started at the restored weights (and one that turns it off drops it)."""
   meta = {"tokens_seen": 0, "best_tau": -1.0, "best_step": -1}
   start = mngr.latest_step() or 0
   if start:
+    saved = mngr.restore(start, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+    had_ema = bool(dict(saved.meta).get("ema", False))
+    like = state._replace(ema=state.params if had_ema else None)
     restored = mngr.restore(start, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(_abstract(state)), meta=ocp.args.JsonRestore()))
-    state, meta = restored.state, dict(restored.meta)
+        state=ocp.args.StandardRestore(_abstract(like)), meta=ocp.args.JsonRestore()))
+    meta, ema = dict(restored.meta), restored.state.ema
+    if state.ema is None:
+      ema = None
+    elif ema is None:
+      ema = jax.jit(lambda p: jax.tree.map(jnp.copy, p))(restored.state.params)
+    state = restored.state._replace(ema=ema)
+  meta["ema"] = state.ema is not None
   return start, state, meta
 
 
@@ -517,7 +546,7 @@ def _compile_ahead(steps, state, target_params, packers, mesh, tc, start):
   if eval_packer is not None and tc.eval_every > 0:
     eb = eval_packer.eval_batches(tc.eval_batch_size,
                                   sharding.local_rows(tc.eval_batch_size))[0]
-    eval_step = eval_step.lower(state.params, target_params, sharding.put_batch(
+    eval_step = eval_step.lower(scored_params(state), target_params, sharding.put_batch(
         eb, mesh, tc.eval_batch_size)).compile()
   sharding.barrier("flexdraft_train_compiled")
   return train_step, eval_step
@@ -546,7 +575,9 @@ def train(config, workdir: str) -> TrainResult:
   end = min(tc.stop_at_step, tc.num_steps) if tc.stop_at_step else tc.num_steps
   columns = (["step", "mask_rows", "loss", "tau", "lr", "grad_norm", "tokens_seen",
               "steps_per_s"] + [f"acc_{j}" for j in range(1, bs)]
-             + ["eval_tau", "eval_loss"] + [f"eval_acc_{j}" for j in range(1, EVAL_SLOTS + 1)])
+             + ["eval_tau", "eval_loss"] + [f"eval_acc_{j}" for j in range(1, EVAL_SLOTS + 1)]
+             # with a moving average, eval_* score it and these the trained weights
+             + (["raw_eval_tau", "raw_eval_loss"] if state.ema is not None else []))
   log = MetricsLog(workdir, columns, enabled=is_main, resume_step=start)
   if is_main:
     print(f"train: {sharding.describe(mesh)}; {info['train_records']} train / "
@@ -569,7 +600,7 @@ def train(config, workdir: str) -> TrainResult:
     # A warm start is measured first: the held-out set may differ from the one
     # the source drafter was scored on (more data moves it), and the run's
     # best drafter must beat its starting point.
-    ev = _evaluate(eval_step, state.params, target_params, eval_packer, mesh, tc)
+    ev = _evaluate(eval_step, scored_params(state), target_params, eval_packer, mesh, tc)
     meta["best_tau"], meta["best_step"] = ev["eval_tau"], 0
     _export(os.path.join(workdir, "best_drafter"), config, state, target, record(),
             is_main, fixed)
@@ -596,14 +627,19 @@ def train(config, workdir: str) -> TrainResult:
       t_last, s_last = now, done
       bar.set_postfix(loss=f"{row['loss']:.3f}", tau=f"{row['tau']:.2f}")
     if eval_now:
-      ev = _evaluate(eval_step, state.params, target_params, eval_packer, mesh, tc)
+      ev = _evaluate(eval_step, scored_params(state), target_params, eval_packer, mesh, tc)
+      if state.ema is not None:
+        raw = _evaluate(eval_step, state.params, target_params, eval_packer, mesh, tc)
+        ev.update(raw_eval_tau=raw["eval_tau"], raw_eval_loss=raw["eval_loss"])
       row.update(ev)
       if ev["eval_tau"] > meta["best_tau"]:
         meta["best_tau"], meta["best_step"] = ev["eval_tau"], done
         _export(os.path.join(workdir, "best_drafter"), config, state, target,
                 record(), is_main, fixed)
+      raw = (f"; trained weights {ev['raw_eval_tau']:.3f}" if state.ema is not None
+             else "")
       bar.write(f"step {done}: eval tau {ev['eval_tau']:.3f} loss {ev['eval_loss']:.3f} "
-                f"(best {meta['best_tau']:.3f} @ {meta['best_step']})")
+                f"(best {meta['best_tau']:.3f} @ {meta['best_step']}){raw}")
     if row:
       log.write(done, row)
     if done % tc.ckpt_every == 0 or done == end:
