@@ -965,7 +965,7 @@ def test_packed_dataset_round_trips_and_continues(regen, tmp_path):
     data.unpack_regen(str(tmp_path / "missing.npz"), fresh)
 
 
-def test_source_weights_repeat_a_source_within_an_epoch():
+def test_source_and_variant_weights_repeat_records_within_an_epoch():
   recs = [data.Record(f"u{i}", "a" if i < 3 else "b", np.array([1], np.int32),
                       np.array([2, 3], np.int32)) for i in range(5)]
   p = data.Packer(recs, seq_len=8, anchors=1, block_size=2, pad_id=0, seed=0,
@@ -977,6 +977,15 @@ def test_source_weights_repeat_a_source_within_an_epoch():
   with pytest.raises(Exception, match="integers >= 0"):
     data.Packer(recs, seq_len=8, anchors=1, block_size=2, pad_id=0, seed=0,
                 source_weights={"a": 1.5})
+  # a variant's answers: the source's weight times the variant's
+  recs += [data.Record("u0#bench", "a", np.array([1], np.int32), np.array([2, 3], np.int32)),
+           data.Record("u3#fn", "b", np.array([1], np.int32), np.array([2, 3], np.int32))]
+  p = data.Packer(recs, seq_len=8, anchors=1, block_size=2, pad_id=0, seed=0,
+                  source_weights={"a": 2}, variant_weights={"bench": 3, "fn": 0})
+  assert sorted(p.train_indices(0, 14)[0]) == [0, 0, 1, 1, 2, 2, 3, 4] + [5] * 6
+  with pytest.raises(Exception, match=r"variant weights name no prompt variant: \['x'\]"):
+    data.Packer(recs, seq_len=8, anchors=1, block_size=2, pad_id=0, seed=0,
+                variant_weights={"x": 2})
 
 
 def _bonus_drafter(target, seed=0, scale=3.0):

@@ -41,6 +41,10 @@ def base_config(name: str) -> ml_collections.ConfigDict:
   # e.g. {"gsm8k": 2} to lean on math; 0 leaves a source out.
   c.data.source_weights = ml_collections.ConfigDict(dict(
       gsm8k=1, mbpp=1, arena_hard_v01=1, arena_hard_v20=1))
+  # ... and an answer to a prompt variant (data.VARIANTS) that many times more,
+  # e.g. {"bench": 2}: the benchmarks' own instructions, whose answers are the
+  # ones online τ is measured on.
+  c.data.variant_weights = ml_collections.ConfigDict(dict(bench=1, fn=1, doc=1))
   c.data.mix = ml_collections.ConfigDict(dict(
       gsm8k=400, mbpp=200, arena_hard_v01=100, arena_hard_v20=100))
   c.data.paths = ml_collections.ConfigDict(dict(

@@ -447,20 +447,28 @@ class Packer:
   """
 
   def __init__(self, records: list, *, seq_len: int, anchors: int, block_size: int,
-               pad_id: int, seed: int, source_weights=None, width_multiple: int = 0):
+               pad_id: int, seed: int, source_weights=None, variant_weights=None,
+               width_multiple: int = 0):
     if not records:
       raise FlexDraftError("no training records")
     self.records, self.seq_len, self.K = records, seq_len, anchors
     self.bs, self.pad_id, self.seed = block_size, pad_id, seed
     self.width_multiple = width_multiple
     self.deep_kv = None  # optional (k, v) per record, [N, L, K, T, D] each
-    # An epoch visits each record `source_weights[source]` times (default 1).
-    weights = dict(source_weights or {})
-    bad = {s: w for s, w in weights.items() if not (isinstance(w, int) and w >= 0)}
+    # An epoch visits each record `source_weights[source]` times (default 1),
+    # times `variant_weights[variant]` for an answer to a prompt variant.
+    weights, by_variant = dict(source_weights or {}), dict(variant_weights or {})
+    bad = {s: w for s, w in {**weights, **by_variant}.items()
+           if not (isinstance(w, int) and w >= 0)}
     if bad:
       raise FlexDraftError(f"source weights must be integers >= 0, got {bad}")
-    self.pool = np.repeat(np.arange(len(records)),
-                          [weights.get(r.source, 1) for r in records])
+    unknown = sorted(set(by_variant) - set(VARIANTS))
+    if unknown:
+      raise FlexDraftError(f"variant weights name no prompt variant: {unknown} (one of "
+                           f"{', '.join(VARIANTS)})")
+    self.pool = np.repeat(np.arange(len(records)), [
+        weights.get(r.source, 1) * by_variant.get(r.uid.partition("#")[2], 1)
+        for r in records])
     if not len(self.pool):
       raise FlexDraftError("source weights leave no training records")
 

@@ -184,7 +184,8 @@ def _setup(config, workdir=None):
                            pad_id=cfg.pad_token_id, seed=tc.seed,
                            width_multiple=tc.get("width_multiple", 0))
   packers = (pack(train_recs, anchors=tc.anchors_per_seq,
-                  source_weights=dict(config.data.get("source_weights", {}))),
+                  source_weights=dict(config.data.get("source_weights", {})),
+                  variant_weights=dict(config.data.get("variant_weights", {}))),
              pack(eval_recs, anchors=tc.eval_anchors or tc.anchors_per_seq)
              if eval_recs else None)
 
