@@ -56,6 +56,7 @@ def main(argv):
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
+  import matplotlib.ticker
   points = eval_points(FLAGS.metrics)
   if not points:
     raise SystemExit("no eval rows with mask_rows in " + ", ".join(FLAGS.metrics))
@@ -77,7 +78,12 @@ def main(argv):
   ax1.legend(loc="upper left", fontsize=7)  # the curves rise to the right
   for j in range(1, 5):
     ax2.plot(rows, [p[1 + j] for p in points], "o-", label=f"slot {j}")
-  ax2.set_xscale("log")
+  if rows[-1] > 10 * rows[0]:
+    ax2.set_xscale("log")
+  else:  # under a decade a log axis labels every minor tick in full
+    ax2.xaxis.set_major_formatter(
+        matplotlib.ticker.FuncFormatter(lambda x, _: f"{x / 1e6:g} M"))
+    ax2.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(6))
   ax2.set_xlabel("mask rows seen")
   ax2.set_ylabel("top-1 accuracy")
   ax2.legend()
