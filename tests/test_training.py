@@ -859,6 +859,8 @@ def test_moving_average_is_scored_exported_and_resumed(regen, target, tmp_path):
                                              target).params)
   for k in start:
     np.testing.assert_allclose(exported[k], start[k], atol=2e-2, rtol=1e-2)  # bf16
+  assert drafter_ckpt.read_meta(str(tmp_path / "a" / "final_drafter"))["training"][
+      "ema_decay"] == cfg.train.ema_decay
   row = _read_csv(tmp_path / "a" / "metrics.csv")[-1]
   assert row["step"] == "8" and abs(float(row["eval_loss"]) - first_eval_loss(
       tmp_path / "a")) < 1e-4

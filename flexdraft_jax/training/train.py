@@ -588,7 +588,9 @@ def train(config, workdir: str) -> TrainResult:
       "mix": dict(config.data.mix), **info, "steps": int(sharding.scalar(state.step)),
       "tokens_seen": meta["tokens_seen"], "mask_rows": meta["mask_rows"],
       "best_eval_tau": meta["best_tau"],
-      "best_step": meta["best_step"], "config": config.name}
+      "best_step": meta["best_step"], "config": config.name,
+      # the scored/exported weights: a moving average (ema_decay > 0) or the trained ones
+      "lr": tc.lr, "schedule": tc.schedule, "ema_decay": tc.ema_decay}
   evaluating = eval_packer is not None and tc.eval_every > 0
   if jax.process_count() > 1 and start < end:
     steps = _compile_ahead(steps, state, target_params, packers, mesh, tc, start)
