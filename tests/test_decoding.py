@@ -642,10 +642,14 @@ def test_tokens_per_second_leaves_out_compiling_and_flex_step_timing(target, mon
   warm = fd.generate(target, prompts, **kw).stats  # nothing left to compile or time
   assert warm["compile_seconds"] == 0 and warm["flex_timing_seconds"] == 0
   assert cold["decode_tokens"] == warm["decode_tokens"]
-  # counted alike, cold and warm runs decode at comparable rates (compiling
-  # and timing the steps took many times the decode itself)
-  assert cold["compile_seconds"] + cold["flex_timing_seconds"] > 3 * cold["decode_seconds"]
-  assert cold["tokens_per_second"] > warm["tokens_per_second"] / 4
+  # Compiling and timing the steps took many times the decode itself, and the
+  # cold run's decode time exceeds the warm one's by a small part of them: had
+  # either been counted, the excess would be at least its size. (A ratio of the
+  # two rates would measure the machine's load: the decode is milliseconds.)
+  spent = cold["compile_seconds"] + cold["flex_timing_seconds"]
+  assert spent > 3 * cold["decode_seconds"]
+  assert cold["decode_seconds"] - warm["decode_seconds"] < 0.1 * min(
+      cold["compile_seconds"], cold["flex_timing_seconds"])
 
 
 def bonus_drafter(target, block_size=4):
