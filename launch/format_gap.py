@@ -1,0 +1,76 @@
+"""Where a drafter's benchmark gap comes from: the answers' format or memorization.
+
+Run (from the repository root):
+  PYTHONPATH=. python launch/format_gap.py \\
+    --drafters=flexdraft_jax/drafters/smollm2_135m_L8 --source=gsm8k --limit=64
+
+Scores drafters (walk τ, uniform τ, slot accuracy: `offline_tau.score`, first
+`--max_new_tokens` answer tokens) on three slices of the training data of one
+source: answers to the mix's own prompts the drafter trained on, answers to the
+benchmark-instruction variant (`#bench`) it trained on, and the held-out answers
+(the trainer's split, own prompts). Trained-on vs held-out is memorization; own
+vs `#bench` is the format. Next to `offline_tau.py` on the benchmark's own test
+prompts (which use the benchmark's instruction) this says which gap to close.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import sys
+
+from absl import app
+from absl import flags
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import offline_tau  # noqa: E402  (defines --drafters, --limit, --max_new_tokens)
+
+flags.DEFINE_string("source", "gsm8k", "the training source to slice")
+flags.DEFINE_string("packed", "datasets/smollm2_135m/regen.npz",
+                    "the packed regenerated answers (unpacked into --regen_dir)")
+flags.DEFINE_string("regen_dir", "runs/regen_smollm2", "regenerated answers (tfds)")
+flags.DEFINE_integer("num_eval", 64, "held-out answers (the trainer's train.num_eval)")
+FLAGS = flags.FLAGS
+
+
+def slices(records: list, source: str, num_eval: int, limit: int) -> dict:
+  """{name: records}: trained-on own-prompt and `#bench` answers (`limit` each,
+  a fixed shuffle) and the held-out answers of `source`."""
+  from flexdraft_jax.training import data
+  train, held = data.split_eval(records, num_eval)
+  own = [r for r in train if r.source == source and "#" not in r.uid]
+  bench = [r for r in train if r.source == source and r.uid.endswith("#bench")]
+  for rs in (own, bench):
+    random.Random(0).shuffle(rs)
+  return {"own prompts, trained on": own[:limit], "#bench, trained on": bench[:limit],
+          "own prompts, held out": [r for r in held if r.source == source]}
+
+
+def main(argv):
+  del argv
+  import flexdraft_jax as fd
+  from flexdraft_jax.evaluation import sweep
+  from flexdraft_jax.training import data
+  if FLAGS.packed:
+    data.unpack_regen(FLAGS.packed, os.path.abspath(FLAGS.regen_dir))
+  target = fd.load_target("smollm2-135m")
+  parts = slices(data.load_records(FLAGS.regen_dir), FLAGS.source, FLAGS.num_eval,
+                 FLAGS.limit)
+  n = FLAGS.max_new_tokens
+  print("| drafter | slice | answers | anchors | uniform τ | walk τ | acc 1 | acc 2 | acc 3 "
+        "| acc 4 |\n|---|---|---|---|---|---|---|---|---|---|", flush=True)
+  for path in FLAGS.drafters:
+    drafter = fd.load_drafter(sweep.resolve_path(path), target)
+    for name, rs in parts.items():
+      if not rs:
+        print(f"| {path} | {FLAGS.source} {name} | 0 | | | | | | | |", flush=True)
+        continue
+      r = offline_tau.score(target, drafter, [list(x.prompt_ids) for x in rs],
+                            [list(x.answer_ids[:n]) for x in rs])
+      accs = " | ".join(f"{x:.3f}" for x in r["acc"])
+      print(f"| {path} | {FLAGS.source} {name} | {len(rs)} | {r['anchors']} | "
+            f"{r['uniform_tau']:.3f} | {r['walk_tau']:.3f} | {accs} |", flush=True)
+
+
+if __name__ == "__main__":
+  app.run(main)
