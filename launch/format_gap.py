@@ -16,7 +16,6 @@ prompts (which use the benchmark's instruction) this says which gap to close.
 from __future__ import annotations
 
 import os
-import random
 import sys
 
 from absl import app
@@ -33,19 +32,6 @@ flags.DEFINE_integer("num_eval", 64, "held-out answers (the trainer's train.num_
 FLAGS = flags.FLAGS
 
 
-def slices(records: list, source: str, num_eval: int, limit: int) -> dict:
-  """{name: records}: trained-on own-prompt and `#bench` answers (`limit` each,
-  a fixed shuffle) and the held-out answers of `source`."""
-  from flexdraft_jax.training import data
-  train, held = data.split_eval(records, num_eval)
-  own = [r for r in train if r.source == source and "#" not in r.uid]
-  bench = [r for r in train if r.source == source and r.uid.endswith("#bench")]
-  for rs in (own, bench):
-    random.Random(0).shuffle(rs)
-  return {"own prompts, trained on": own[:limit], "#bench, trained on": bench[:limit],
-          "own prompts, held out": [r for r in held if r.source == source]}
-
-
 def main(argv):
   del argv
   import flexdraft_jax as fd
@@ -54,8 +40,8 @@ def main(argv):
   if FLAGS.packed:
     data.unpack_regen(FLAGS.packed, os.path.abspath(FLAGS.regen_dir))
   target = fd.load_target("smollm2-135m")
-  parts = slices(data.load_records(FLAGS.regen_dir), FLAGS.source, FLAGS.num_eval,
-                 FLAGS.limit)
+  parts = data.format_slices(data.load_records(FLAGS.regen_dir), FLAGS.source,
+                             FLAGS.num_eval, FLAGS.limit)
   n = FLAGS.max_new_tokens
   print("| drafter | slice | answers | anchors | uniform τ | walk τ | acc 1 | acc 2 | acc 3 "
         "| acc 4 |\n|---|---|---|---|---|---|---|---|---|---|", flush=True)

@@ -185,13 +185,11 @@ def test_split_eval_holds_out_own_prompts_and_drops_their_variants():
 
 
 def test_format_gap_slices_split_trained_on_formats_from_held_out():
-  sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "launch"))
-  import format_gap
   rec = lambda uid: data.Record(uid, uid.split(":")[0], np.array([1], np.int32),
                                 np.array([2, 3], np.int32))
   own = [rec(f"gsm8k:{i}") for i in range(40)] + [rec(f"mbpp:{i}") for i in range(10)]
   recs = own + [rec(r.uid + "#bench") for r in own] + [rec("gsm8k:3#doc")]
-  parts = format_gap.slices(recs, "gsm8k", num_eval=8, limit=6)
+  parts = data.format_slices(recs, "gsm8k", num_eval=8, limit=6)
   trained_own, trained_bench, held = parts.values()
   held_q = {r.uid for r in data.split_eval(recs, 8)[1] if r.source == "gsm8k"}
   assert {r.uid for r in held} == held_q and held_q

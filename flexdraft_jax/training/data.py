@@ -15,6 +15,7 @@ import glob
 import hashlib
 import json
 import os
+import random
 import shutil
 from typing import Iterable, NamedTuple
 
@@ -379,6 +380,19 @@ def split_eval(records: list, num_eval: int) -> tuple:
   held = set(own[:num_eval])
   return ([r for r in records if question_uid(r.uid) not in held],
           [r for r in records if r.uid in held])
+
+
+def format_slices(records: list, source: str, num_eval: int, limit: int) -> dict:
+  """{name: records} of one source (`launch/format_gap.py`): answers to the mix's
+  own prompts and to the `#bench` variant that training sees (`limit` each, a
+  fixed shuffle), and the held-out answers (`split_eval`)."""
+  train, held = split_eval(records, num_eval)
+  own = [r for r in train if r.source == source and "#" not in r.uid]
+  bench = [r for r in train if r.source == source and r.uid.endswith("#bench")]
+  for rs in (own, bench):
+    random.Random(0).shuffle(rs)
+  return {"own prompts, trained on": own[:limit], "#bench, trained on": bench[:limit],
+          "own prompts, held out": [r for r in held if r.source == source]}
 
 
 def draft_vocabulary(records: list, size: int, vocab_size: int, always=()) -> np.ndarray:
