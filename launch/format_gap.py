@@ -20,15 +20,15 @@ import sys
 
 from absl import app
 from absl import flags
+from ml_collections import config_flags
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import offline_tau  # noqa: E402  (defines --drafters, --limit, --max_new_tokens)
 
 flags.DEFINE_string("source", "gsm8k", "the training source to slice")
-flags.DEFINE_string("packed", "datasets/smollm2_135m/regen.npz",
-                    "the packed regenerated answers (unpacked into --regen_dir)")
-flags.DEFINE_string("regen_dir", "runs/regen_smollm2", "regenerated answers (tfds)")
-flags.DEFINE_integer("num_eval", 64, "held-out answers (the trainer's train.num_eval)")
+config_flags.DEFINE_config_file(
+    "config", "configs/smollm2_135m.py",
+    "the training config: its data (packed, regen_dir) and train.num_eval")
 FLAGS = flags.FLAGS
 
 
@@ -37,11 +37,11 @@ def main(argv):
   import flexdraft_jax as fd
   from flexdraft_jax.evaluation import sweep
   from flexdraft_jax.training import data
-  if FLAGS.packed:
-    data.unpack_regen(FLAGS.packed, os.path.abspath(FLAGS.regen_dir))
-  target = fd.load_target("smollm2-135m")
-  parts = data.format_slices(data.load_records(FLAGS.regen_dir), FLAGS.source,
-                             FLAGS.num_eval, FLAGS.limit)
+  config = FLAGS.config
+  data.use_packed(config.data)
+  target = fd.load_target(config.target)
+  parts = data.format_slices(data.load_records(config.data.regen_dir), FLAGS.source,
+                             config.train.num_eval, FLAGS.limit)
   n = FLAGS.max_new_tokens
   print("| drafter | slice | answers | anchors | uniform τ | walk τ | acc 1 | acc 2 | acc 3 "
         "| acc 4 |\n|---|---|---|---|---|---|---|---|---|---|", flush=True)
