@@ -49,7 +49,7 @@ def main(argv):
   from flexdraft_jax.training import sharding, train
   config = FLAGS.config
   tc = config.train
-  state, target_params, (packer, _), (train_step, _), mesh, info = train._setup(config,
+  state, target_params, (packer, *_), (train_step, _), mesh, info = train._setup(config,
                                                                                 None)
   bs = config.drafter.block_size
   rows_per_step = tc.batch_size * tc.anchors_per_seq * bs

@@ -5,11 +5,11 @@ Run (from the repository root):
     --drafters=flexdraft_jax/drafters/smollm2_135m_L8 --source=gsm8k --limit=64
 
 Scores drafters (walk τ, uniform τ, slot accuracy: `offline_tau.score`, first
-`--max_new_tokens` answer tokens) on three slices of the training data of one
+`--max_new_tokens` answer tokens) on four slices of the training data of one
 source: answers to the mix's own prompts the drafter trained on, answers to the
-benchmark-instruction variant (`#bench`) it trained on, and the held-out answers
-(the trainer's split, own prompts). Trained-on vs held-out is memorization; own
-vs `#bench` is the format. Next to `offline_tau.py` on the benchmark's own test
+benchmark-instruction variant (`#bench`) it trained on, and the held-out
+questions' answers (the trainer's split) in both formats. Trained-on vs held-out
+is memorization; own vs `#bench` is the format. Next to `offline_tau.py` on the benchmark's own test
 prompts (which use the benchmark's instruction) this says which gap to close.
 """
 

@@ -182,6 +182,10 @@ def test_split_eval_holds_out_own_prompts_and_drops_their_variants():
   # every other record trains: the own prompts' and their variants'
   assert len(train) == len(own) + len(variants) - 2 * 5
   assert {r.uid for r in train0} < {r.uid for r in train}
+  # the held-out questions' variant answers score them in the variants' format
+  assert {r.uid for r in data.held_out_variants(own + variants, 5)} == {
+      q + "#bench" for q in held_q}
+  assert data.held_out_variants(own, 5) == []
 
 
 def test_format_gap_slices_split_trained_on_formats_from_held_out():
@@ -190,9 +194,10 @@ def test_format_gap_slices_split_trained_on_formats_from_held_out():
   own = [rec(f"gsm8k:{i}") for i in range(40)] + [rec(f"mbpp:{i}") for i in range(10)]
   recs = own + [rec(r.uid + "#bench") for r in own] + [rec("gsm8k:3#doc")]
   parts = data.format_slices(recs, "gsm8k", num_eval=8, limit=6)
-  trained_own, trained_bench, held = parts.values()
+  trained_own, trained_bench, held, held_bench = parts.values()
   held_q = {r.uid for r in data.split_eval(recs, 8)[1] if r.source == "gsm8k"}
   assert {r.uid for r in held} == held_q and held_q
+  assert {r.uid for r in held_bench} == {q + "#bench" for q in held_q}
   assert len(trained_own) == len(trained_bench) == 6
   assert all("#" not in r.uid and r.source == "gsm8k" for r in trained_own)
   assert all(r.uid.endswith("#bench") and r.source == "gsm8k" for r in trained_bench)
@@ -484,7 +489,7 @@ def test_walk_tau_visits_the_anchors_decoding_would():
 def test_only_drafter_is_trained_and_target_is_bit_identical(regen, tmp_path):
   # (with the clean K/V precomputed once per sequence: the CPU configs' path)
   cfg = tiny.tiny_config(regen[0], num_steps=STEPS, precompute_kv=True)
-  state, target_params, (packer, _), (train_step, _), mesh, _ = train._setup(
+  state, target_params, (packer, *_), (train_step, _), mesh, _ = train._setup(
       cfg, str(tmp_path))
   assert packer.deep_kv[0].shape[0] == len(packer.records)
   assert sorted(os.listdir(tmp_path / "deep_kv"))[:3] == ["eval.json", "eval_k.npy",
@@ -831,6 +836,31 @@ def test_eval_steps_off_the_log_cadence_log_their_training_row(regen, tmp_path):
   rows = {r["step"]: r for r in _read_csv(tmp_path / "metrics.csv")}
   assert sorted(rows, key=int) == ["2", "3", "4"]
   assert rows["2"]["eval_tau"] and rows["2"]["loss"] and not rows["3"]["eval_tau"]
+
+
+def test_eval_also_scores_the_held_out_questions_in_the_variants_formats(target, tmp_path):
+  own = tiny.fake_records(target, 24)
+  # every answer again as a prompt variant's: the held-out questions' variant
+  # answers are then the held-out answers, and must score the same
+  recs = own + [dict(r, uid=r["uid"] + "#bench") for r in own]
+  regen_dir = str(tmp_path / "regen")
+  for s in range(0, len(recs), 4):
+    data.write_shard(regen_dir, s // 4, recs[s:s + 4])
+  data.build_dataset(regen_dir)
+  cfg = tiny.tiny_config(regen_dir, num_steps=2, eval_every=2)
+  _, _, (packer, held, variants), _, _, info = train._setup(cfg)
+  held_q = {r.uid for r in held.records}
+  assert len(held_q) == cfg.train.num_eval == info["eval_variant_records"]
+  assert {r.uid for r in variants.records} == {q + "#bench" for q in held_q}
+  assert not {data.question_uid(r.uid) for r in packer.records} & held_q
+  train.train(cfg, str(tmp_path / "a"))
+  row = _read_csv(tmp_path / "a" / "metrics.csv")[-1]
+  assert row["step"] == "2" and row["variant_eval_loss"]
+  assert float(row["variant_eval_loss"]) == pytest.approx(float(row["eval_loss"]), abs=1e-6)
+  assert float(row["variant_eval_tau"]) == pytest.approx(float(row["eval_tau"]), abs=1e-6)
+  cfg.train.eval_variants = False
+  train.train(cfg, str(tmp_path / "b"))
+  assert "variant_eval_tau" not in _read_csv(tmp_path / "b" / "metrics.csv")[-1]
 
 
 def test_a_warm_started_run_is_scored_before_its_first_step(regen, target, tmp_path):

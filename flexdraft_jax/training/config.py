@@ -72,6 +72,9 @@ def base_config(name: str) -> ml_collections.ConfigDict:
       clip_norm=1.0, b1=0.9, b2=0.95, seed=0,
       log_every=10, eval_every=100, num_eval=32, eval_batch_size=8,
       eval_anchors=0,  # anchor blocks per held-out sequence (0: anchors_per_seq)
+      # Also score the held-out questions' answers to the prompt variants (the
+      # benchmarks' formats; data.VARIANTS) when the data has them.
+      eval_variants=True,
       ckpt_every=100, max_to_keep=3, stop_at_step=0, attn_impl="xla",
       # Compute the deep layers' clean K/V of every sequence once and keep it in
       # host memory instead of a clean pass per step (CE loss only; memory

@@ -375,24 +375,38 @@ def split_eval(records: list, num_eval: int) -> tuple:
   own prompts with the smallest uid hash — the same ones when variants or more
   questions' answers are added, unless those hash lower; answers to variants
   of a held-out question are in neither."""
-  own = sorted((r.uid for r in records if "#" not in r.uid),
-               key=lambda uid: stable_int("eval:" + uid))
-  held = set(own[:num_eval])
+  held = _held_questions(records, num_eval)
   return ([r for r in records if question_uid(r.uid) not in held],
           [r for r in records if r.uid in held])
+
+
+def _held_questions(records: list, num_eval: int) -> set:
+  own = sorted((r.uid for r in records if "#" not in r.uid),
+               key=lambda uid: stable_int("eval:" + uid))
+  return set(own[:num_eval])
+
+
+def held_out_variants(records: list, num_eval: int) -> list:
+  """The answers to prompt variants of `split_eval`'s held-out questions (in
+  neither of its sets): the held-out questions in the benchmarks' formats."""
+  held = _held_questions(records, num_eval)
+  return [r for r in records if "#" in r.uid and question_uid(r.uid) in held]
 
 
 def format_slices(records: list, source: str, num_eval: int, limit: int) -> dict:
   """{name: records} of one source (`launch/format_gap.py`): answers to the mix's
   own prompts and to the `#bench` variant that training sees (`limit` each, a
-  fixed shuffle), and the held-out answers (`split_eval`)."""
+  fixed shuffle), and the held-out questions' answers in both formats
+  (`split_eval`, `held_out_variants`)."""
   train, held = split_eval(records, num_eval)
   own = [r for r in train if r.source == source and "#" not in r.uid]
   bench = [r for r in train if r.source == source and r.uid.endswith("#bench")]
   for rs in (own, bench):
     random.Random(0).shuffle(rs)
   return {"own prompts, trained on": own[:limit], "#bench, trained on": bench[:limit],
-          "own prompts, held out": [r for r in held if r.source == source]}
+          "own prompts, held out": [r for r in held if r.source == source],
+          "#bench, held out": [r for r in held_out_variants(records, num_eval)
+                               if r.source == source and r.uid.endswith("#bench")]}
 
 
 def draft_vocabulary(records: list, size: int, vocab_size: int, always=()) -> np.ndarray:

@@ -8,7 +8,9 @@ train.ema_decay > 0) and resume exactly: batch order and anchors depend only on
 (seed, step). WORKDIR gets:
 
   ckpt/               orbax CheckpointManager
-  metrics.csv         per logged step; eval rows carry eval_tau / eval_loss
+  metrics.csv         per logged step; eval rows carry eval_tau / eval_loss (the
+                      held-out answers) and variant_eval_tau / variant_eval_loss
+                      (the held-out questions in the prompt variants' formats)
   events.out.tfevents.*  the same scalars for TensorBoard
   best_drafter/       save_drafter export of the checkpoint with the best eval τ
   final_drafter/      the last step's drafter
@@ -175,7 +177,11 @@ def _setup(config, workdir=None):
   # The data's checks come before the (slow) target load.
   data.use_packed(config.data)
   records = data.load_records(config.data.regen_dir)
-  train_recs, eval_recs = data.split_eval(records, min(tc.num_eval, len(records) // 5))
+  num_eval = min(tc.num_eval, len(records) // 5)
+  train_recs, eval_recs = data.split_eval(records, num_eval)
+  # The held-out questions again, in the prompt variants' (the benchmarks') formats.
+  variant_recs = (data.held_out_variants(records, num_eval)
+                  if tc.get("eval_variants", True) else [])
   data.check_anchors(train_recs, tc.seq_len, dcfg.block_size)
   target = loading.load_target(config.target, config.dtype)
   cfg = target.config
@@ -186,8 +192,8 @@ def _setup(config, workdir=None):
   packers = (pack(train_recs, anchors=tc.anchors_per_seq,
                   source_weights=dict(config.data.get("source_weights", {})),
                   variant_weights=dict(config.data.get("variant_weights", {}))),
-             pack(eval_recs, anchors=tc.eval_anchors or tc.anchors_per_seq)
-             if eval_recs else None)
+             *(pack(rs, anchors=tc.eval_anchors or tc.anchors_per_seq) if rs else None
+               for rs in (eval_recs, variant_recs)))
 
   mesh = sharding.make_mesh(**dict(config.mesh))
   tx, schedule = make_optimizer(tc)
@@ -223,7 +229,7 @@ def _setup(config, workdir=None):
   shardings_ = {"state": state_sh, "target": target_sh, "replicated": rep,
                 "batch": sharding.batch_sharding(mesh)}
   if tc.precompute_kv:
-    for name, p in (("train", packers[0]), ("eval", packers[1])):
+    for name, p in zip(("train", "eval", "eval_variants"), packers):
       if p is not None:
         compute = functools.partial(iter_deep_kv, p, target_params, cfg, dcfg,
                                     tc, rep, name)  # rows -> batches
@@ -241,7 +247,8 @@ def _setup(config, workdir=None):
   # Keep only what exports need; the params now live in `target_params`.
   ref = types.SimpleNamespace(config=cfg, name=target.name, fingerprint=target.fingerprint)
   info = {"target": ref, "records": len(records), "train_records": len(train_recs),
-          "eval_records": len(eval_recs), "fixed_params": fixed,
+          "eval_records": len(eval_recs), "eval_variant_records": len(variant_recs),
+          "fixed_params": fixed,
           "init_mask_rows": init_mask_rows}
   return state, target_params, packers, steps, mesh, info
 
@@ -539,7 +546,7 @@ def _restore(mngr, state):
 def _compile_ahead(steps, state, target_params, packers, mesh, tc, start):
   """Multi-process: compile before the first collective, then meet — compile
   times differ between processes by more than the collectives' set-up timeout."""
-  (train_step, eval_step), (packer, eval_packer) = steps, packers
+  (train_step, eval_step), (packer, eval_packer, _) = steps, packers
   first = sharding.put_batch(packer.train_batch(start, tc.batch_size,
                                                 sharding.local_rows(tc.batch_size)),
                              mesh, tc.batch_size)
@@ -569,7 +576,7 @@ def train(config, workdir: str) -> TrainResult:
     print(f"train: writing checkpoints, metrics and drafters to {os.path.abspath(workdir)}"
           f"{_other_writes(config, workdir)}", flush=True)
   state, target_params, packers, steps, mesh, info = _setup(config, workdir)
-  (packer, eval_packer), target = packers, info.pop("target")
+  (packer, eval_packer, variant_packer), target = packers, info.pop("target")
   fixed = info.pop("fixed_params")
   mngr = _checkpoint_manager(workdir, tc)
   start, state, meta = _restore(mngr, state)
@@ -578,11 +585,13 @@ def train(config, workdir: str) -> TrainResult:
               "steps_per_s"] + [f"acc_{j}" for j in range(1, bs)]
              + ["eval_tau", "eval_loss"] + [f"eval_acc_{j}" for j in range(1, EVAL_SLOTS + 1)]
              # with a moving average, eval_* score it and these the trained weights
-             + (["raw_eval_tau", "raw_eval_loss"] if state.ema is not None else []))
+             + (["raw_eval_tau", "raw_eval_loss"] if state.ema is not None else [])
+             + (["variant_eval_tau", "variant_eval_loss"] if variant_packer else []))
   log = MetricsLog(workdir, columns, enabled=is_main, resume_step=start)
   if is_main:
     print(f"train: {sharding.describe(mesh)}; {info['train_records']} train / "
-          f"{info['eval_records']} eval sequences; steps {start}..{end}", flush=True)
+          f"{info['eval_records']} eval sequences (+ {info['eval_variant_records']} "
+          f"in the prompt variants' formats); steps {start}..{end}", flush=True)
   record = lambda: {
       "target": target.name, "regen_dir": os.path.abspath(config.data.regen_dir),
       "mix": dict(config.data.mix), **info, "steps": int(sharding.scalar(state.step)),
@@ -634,6 +643,10 @@ def train(config, workdir: str) -> TrainResult:
       if state.ema is not None:
         raw = _evaluate(eval_step, state.params, target_params, eval_packer, mesh, tc)
         ev.update(raw_eval_tau=raw["eval_tau"], raw_eval_loss=raw["eval_loss"])
+      if variant_packer is not None:
+        var = _evaluate(eval_step, scored_params(state), target_params, variant_packer,
+                        mesh, tc)
+        ev.update(variant_eval_tau=var["eval_tau"], variant_eval_loss=var["eval_loss"])
       row.update(ev)
       if ev["eval_tau"] > meta["best_tau"]:
         meta["best_tau"], meta["best_step"] = ev["eval_tau"], done
@@ -641,6 +654,8 @@ def train(config, workdir: str) -> TrainResult:
                 record(), is_main, fixed)
       raw = (f"; trained weights {ev['raw_eval_tau']:.3f}" if state.ema is not None
              else "")
+      if variant_packer is not None:
+        raw += f"; prompt variants {ev['variant_eval_tau']:.3f}"
       bar.write(f"step {done}: eval tau {ev['eval_tau']:.3f} loss {ev['eval_loss']:.3f} "
                 f"(best {meta['best_tau']:.3f} @ {meta['best_step']}){raw}")
     if row:
