@@ -8,7 +8,9 @@ warm-started from another's drafter continues its `mask_rows`), plots offline
 τ and slot 1..4 top-1 accuracy against mask rows on a log axis (OUT.png) and
 writes OUT.md: the table (`--compare` overlays earlier runs' τ) and a log-linear fit of τ over the later half of the
 points, with the mask rows it predicts for τ = 3, 4, 5 (an extrapolation, not a
-promise: such curves bend).
+promise: such curves bend). Rows that also scored the held-out questions in the
+prompt variants' formats (`variant_eval_tau`: the benchmarks' instructions) add
+that curve and a table column.
 """
 
 from __future__ import annotations
@@ -40,6 +42,17 @@ def eval_points(paths) -> list:
   return [(k, *v) for k, v in sorted(pts.items())]
 
 
+def variant_points(paths) -> dict:
+  """{mask_rows: variant_eval_tau} over the eval rows that have it."""
+  pts = {}
+  for path in paths:
+    with open(path) as f:
+      for r in csv.DictReader(f):
+        if r.get("variant_eval_tau") and r.get("mask_rows"):
+          pts[int(float(r["mask_rows"]))] = float(r["variant_eval_tau"])
+  return pts
+
+
 def fit(points) -> tuple:
   """(a, b) of τ ≈ a + b·log10(rows) over the later half of the points."""
   later = points[len(points) // 2:]
@@ -63,6 +76,10 @@ def main(argv):
   rows = np.array([p[0] for p in points])
   fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
   ax1.plot(rows, [p[1] for p in points], "o-", label=FLAGS.label)
+  variants = variant_points(FLAGS.metrics)
+  if variants:
+    ax1.plot(list(variants), list(variants.values()), "^-",
+             label=FLAGS.label + ", the prompt variants' formats")
   for spec in FLAGS.compare:
     label, _, paths = spec.partition("=")
     other = eval_points(paths.split("+"))
@@ -92,10 +109,12 @@ def main(argv):
   os.makedirs(os.path.dirname(os.path.abspath(FLAGS.out)), exist_ok=True)
   fig.savefig(FLAGS.out + ".png", dpi=110)
 
-  lines = ["| mask rows | offline τ | acc 1 | acc 2 | acc 3 | acc 4 |",
-           "|---|---|---|---|---|---|"]
+  extra = lambda r: (f" {variants[r]:.3f} |" if r in variants else " |") if variants else ""
+  lines = ["| mask rows | offline τ | acc 1 | acc 2 | acc 3 | acc 4 |"
+           + (" τ, prompt variants' formats |" if variants else ""),
+           "|---|---|---|---|---|---|" + ("---|" if variants else "")]
   lines += [f"| {p[0]:,} | {p[1]:.3f} | " + " | ".join(f"{a:.3f}" for a in p[2:]) + " |"
-            for p in points]
+            + extra(p[0]) for p in points]
   if line and line[1] > 0:
     a, b = line
     preds = ", ".join(f"τ = {t}: {10 ** ((t - a) / b):.2g} rows" for t in (3, 4, 5))
