@@ -848,6 +848,7 @@ def test_eval_also_scores_the_held_out_questions_in_the_variants_formats(target,
     data.write_shard(regen_dir, s // 4, recs[s:s + 4])
   data.build_dataset(regen_dir)
   cfg = tiny.tiny_config(regen_dir, num_steps=2, eval_every=2)
+  cfg.data.variant_weights.bench = 3
   _, _, (packer, held, variants), _, _, info = train._setup(cfg)
   held_q = {r.uid for r in held.records}
   assert len(held_q) == cfg.train.num_eval == info["eval_variant_records"]
@@ -858,6 +859,10 @@ def test_eval_also_scores_the_held_out_questions_in_the_variants_formats(target,
   assert row["step"] == "2" and row["variant_eval_loss"]
   assert float(row["variant_eval_loss"]) == pytest.approx(float(row["eval_loss"]), abs=1e-6)
   assert float(row["variant_eval_tau"]) == pytest.approx(float(row["eval_tau"]), abs=1e-6)
+  # the exported drafter records the mix's weights with the rest of its recipe
+  record = drafter_ckpt.read_meta(str(tmp_path / "a" / "final_drafter"))["training"]
+  assert record["variant_weights"] == {"bench": 3, "fn": 1, "doc": 1}
+  assert record["eval_variant_records"] == len(held_q)
   cfg.train.eval_variants = False
   train.train(cfg, str(tmp_path / "b"))
   assert "variant_eval_tau" not in _read_csv(tmp_path / "b" / "metrics.csv")[-1]

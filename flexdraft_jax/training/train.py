@@ -594,7 +594,10 @@ def train(config, workdir: str) -> TrainResult:
           f"in the prompt variants' formats); steps {start}..{end}", flush=True)
   record = lambda: {
       "target": target.name, "regen_dir": os.path.abspath(config.data.regen_dir),
-      "mix": dict(config.data.mix), **info, "steps": int(sharding.scalar(state.step)),
+      "mix": dict(config.data.mix),
+      "source_weights": dict(config.data.get("source_weights", {})),
+      "variant_weights": dict(config.data.get("variant_weights", {})),
+      **info, "steps": int(sharding.scalar(state.step)),
       "tokens_seen": meta["tokens_seen"], "mask_rows": meta["mask_rows"],
       "best_eval_tau": meta["best_tau"],
       "best_step": meta["best_step"], "config": config.name,
