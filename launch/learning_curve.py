@@ -79,7 +79,7 @@ def main(argv):
   variants = variant_points(FLAGS.metrics)
   if variants:
     ax1.plot(list(variants), list(variants.values()), "^-",
-             label=FLAGS.label + ", the prompt variants' formats")
+             label="the same, the prompt variants' formats")
   for spec in FLAGS.compare:
     label, _, paths = spec.partition("=")
     other = eval_points(paths.split("+"))
@@ -92,7 +92,7 @@ def main(argv):
   ax1.set_xscale("log")
   ax1.set_xlabel("mask rows seen")
   ax1.set_ylabel("offline τ")
-  ax1.legend(loc="upper left", fontsize=7)  # the curves rise to the right
+  ax1.legend(loc="lower right", fontsize=6)  # the curves rise to the right
   for j in range(1, 5):
     ax2.plot(rows, [p[1 + j] for p in points], "o-", label=f"slot {j}")
   if rows[-1] > 10 * rows[0]:
