@@ -30,27 +30,24 @@ flags.DEFINE_list("compare", [], "earlier runs' τ curves to overlay: LABEL=metr
                   "(LABEL=a.csv+b.csv for a warm-started continuation)")
 
 
-def eval_points(paths) -> list:
-  """[(mask_rows, tau, acc1..acc4)] over all eval rows, by mask rows."""
-  pts = {}
+def _rows(paths, column: str):
+  """The metrics rows of `paths` that have `column` and mask_rows, oldest first."""
   for path in paths:
     with open(path) as f:
-      for r in csv.DictReader(f):
-        if r.get("eval_tau") and r.get("mask_rows"):
-          pts[int(float(r["mask_rows"]))] = (
-              float(r["eval_tau"]), *(float(r[f"eval_acc_{j}"]) for j in range(1, 5)))
+      yield from (r for r in csv.DictReader(f) if r.get(column) and r.get("mask_rows"))
+
+
+def eval_points(paths) -> list:
+  """[(mask_rows, tau, acc1..acc4)] over all eval rows, by mask rows."""
+  pts = {int(float(r["mask_rows"])): (float(r["eval_tau"]), *(
+      float(r[f"eval_acc_{j}"]) for j in range(1, 5))) for r in _rows(paths, "eval_tau")}
   return [(k, *v) for k, v in sorted(pts.items())]
 
 
 def variant_points(paths) -> dict:
   """{mask_rows: variant_eval_tau} over the eval rows that have it."""
-  pts = {}
-  for path in paths:
-    with open(path) as f:
-      for r in csv.DictReader(f):
-        if r.get("variant_eval_tau") and r.get("mask_rows"):
-          pts[int(float(r["mask_rows"]))] = float(r["variant_eval_tau"])
-  return pts
+  return {int(float(r["mask_rows"])): float(r["variant_eval_tau"])
+          for r in _rows(paths, "variant_eval_tau")}
 
 
 def fit(points) -> tuple:
