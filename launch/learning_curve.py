@@ -106,12 +106,14 @@ def main(argv):
   os.makedirs(os.path.dirname(os.path.abspath(FLAGS.out)), exist_ok=True)
   fig.savefig(FLAGS.out + ".png", dpi=110)
 
-  extra = lambda r: (f" {variants[r]:.3f} |" if r in variants else " |") if variants else ""
-  lines = ["| mask rows | offline τ | acc 1 | acc 2 | acc 3 | acc 4 |"
-           + (" τ, prompt variants' formats |" if variants else ""),
-           "|---|---|---|---|---|---|" + ("---|" if variants else "")]
+  lines = ["| mask rows | offline τ | acc 1 | acc 2 | acc 3 | acc 4 |",
+           "|---|---|---|---|---|---|"]
   lines += [f"| {p[0]:,} | {p[1]:.3f} | " + " | ".join(f"{a:.3f}" for a in p[2:]) + " |"
-            + extra(p[0]) for p in points]
+            for p in points]
+  if variants:  # one more column, blank where a row did not score the variants
+    cells = [" τ, prompt variants' formats |", "---|"] + [
+        f" {variants[p[0]]:.3f} |" if p[0] in variants else " |" for p in points]
+    lines = [a + b for a, b in zip(lines, cells)]
   if line and line[1] > 0:
     a, b = line
     preds = ", ".join(f"τ = {t}: {10 ** ((t - a) / b):.2g} rows" for t in (3, 4, 5))

@@ -586,7 +586,8 @@ def train(config, workdir: str) -> TrainResult:
              + ["eval_tau", "eval_loss"] + [f"eval_acc_{j}" for j in range(1, EVAL_SLOTS + 1)]
              # with a moving average, eval_* score it and these the trained weights
              + (["raw_eval_tau", "raw_eval_loss"] if state.ema is not None else [])
-             + (["variant_eval_tau", "variant_eval_loss"] if variant_packer else []))
+             + (["variant_eval_tau", "variant_eval_loss"] if variant_packer is not None
+                else []))
   log = MetricsLog(workdir, columns, enabled=is_main, resume_step=start)
   if is_main:
     print(f"train: {sharding.describe(mesh)}; {info['train_records']} train / "
@@ -655,12 +656,12 @@ def train(config, workdir: str) -> TrainResult:
         meta["best_tau"], meta["best_step"] = ev["eval_tau"], done
         _export(os.path.join(workdir, "best_drafter"), config, state, target,
                 record(), is_main, fixed)
-      raw = (f"; trained weights {ev['raw_eval_tau']:.3f}" if state.ema is not None
-             else "")
+      more = (f"; trained weights {ev['raw_eval_tau']:.3f}" if state.ema is not None
+              else "")
       if variant_packer is not None:
-        raw += f"; prompt variants {ev['variant_eval_tau']:.3f}"
+        more += f"; prompt variants {ev['variant_eval_tau']:.3f}"
       bar.write(f"step {done}: eval tau {ev['eval_tau']:.3f} loss {ev['eval_loss']:.3f} "
-                f"(best {meta['best_tau']:.3f} @ {meta['best_step']}){raw}")
+                f"(best {meta['best_tau']:.3f} @ {meta['best_step']}){more}")
     if row:
       log.write(done, row)
     if done % tc.ckpt_every == 0 or done == end:
