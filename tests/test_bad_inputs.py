@@ -128,6 +128,10 @@ CASES = [
     cli("train", "`--config.train.ema_decay=1` (an average that never moves)",
         ["train", f"--config={TINY}", "--config.train.ema_decay=1", "--workdir", "{d}/w"],
         "error: --config.train.ema_decay must be a number in [0, 1), got 1.0"),
+    cli("train", "`--config.train.decay_steps` with the cosine schedule (it decays already)",
+        ["train", f"--config={TINY}", "--config.train.decay_steps=2", "--workdir", "{d}/w"],
+        "error: --config.train.decay_steps must be 0 unless train.schedule is 'constant' "
+        "(cosine decays already), got 2"),
     cli("train", "every prompt longer than `seq_len` (trained on nothing, loss 0)",
         ["train", f"--config={TINY}", "--config.data.regen_dir={d}/regen",
          "--config.train.seq_len=30", "--workdir", "{d}/w"],

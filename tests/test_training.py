@@ -895,6 +895,24 @@ def test_constant_schedule_holds_the_rate_whatever_num_steps():
   assert float(cosine(100)) == pytest.approx(5e-5)
 
 
+def test_constant_schedule_cools_down_over_its_last_decay_steps():
+  # Warm-up, stable, then linear to 0 at num_steps: the cool-down branch of a
+  # constant-rate run resumed with num_steps = its step + decay_steps.
+  import ml_collections
+  tc = ml_collections.ConfigDict(dict(lr=1e-3, warmup_steps=10, num_steps=100,
+                                      decay_steps=40, schedule="constant", clip_norm=1.0,
+                                      b1=0.9, b2=0.95, weight_decay=0.0))
+  _, wsd = train.make_optimizer(tc)
+  assert float(wsd(5)) == pytest.approx(5e-4)
+  assert float(wsd(10)) == float(wsd(60)) == pytest.approx(1e-3)
+  assert float(wsd(70)) == pytest.approx(7.5e-4)
+  assert float(wsd(90)) == pytest.approx(2.5e-4)
+  assert float(wsd(100)) == float(wsd(1000)) == 0.0
+  tc.num_steps, tc.decay_steps = 2000, 0
+  _, constant = train.make_optimizer(tc)
+  assert float(constant(1999)) == pytest.approx(1e-3)
+
+
 def test_moving_average_is_scored_exported_and_resumed(regen, target, tmp_path):
   # Turned on when resuming a run without one, the average starts at the
   # restored weights; at a decay near 1 it stays there while training moves on.

@@ -97,6 +97,11 @@ def base_config(name: str) -> ml_collections.ConfigDict:
       # (warm-up, then lr): a constant rate does not depend on num_steps, so a
       # run can be extended on resume without a jump in its learning rate.
       schedule="cosine",
+      # With "constant": the last decay_steps steps before num_steps fall
+      # linearly from lr to 0 (warm-up, stable, decay). A cool-down branch of a
+      # constant-rate run: copy a checkpoint into a new workdir and resume it
+      # with num_steps = that step + decay_steps. 0: no decay.
+      decay_steps=0,
       # > 0 (e.g. 0.998): the drafter that is scored, exported and returned is an
       # exponential moving average of the trained weights (started at the initial
       # ones); the checkpoint keeps both. 0: the trained weights themselves.
@@ -165,6 +170,14 @@ def check_train_config(config) -> None:
   _need(tc.loss in ("ce", "kl"), "train.loss", "'ce' or 'kl'", tc.loss)
   _need(tc.get("schedule", "cosine") in ("cosine", "constant"), "train.schedule",
         "'cosine' or 'constant'", tc.get("schedule"))
+  decay = tc.get("decay_steps", 0)
+  _need(isinstance(decay, numbers.Integral) and not isinstance(decay, bool)
+        and 0 <= decay <= tc.num_steps - tc.warmup_steps,
+        "train.decay_steps",
+        f"an integer in [0, num_steps - warmup_steps = {tc.num_steps - tc.warmup_steps}]",
+        decay)
+  _need(not decay or tc.get("schedule", "cosine") == "constant", "train.decay_steps",
+        "0 unless train.schedule is 'constant' (cosine decays already)", decay)
   ema = tc.get("ema_decay", 0.0)
   _need(isinstance(ema, numbers.Real) and 0 <= ema < 1, "train.ema_decay",
         "a number in [0, 1)", ema)

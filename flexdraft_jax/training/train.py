@@ -64,10 +64,15 @@ def scored_params(state: TrainState):
 
 
 def make_optimizer(tc) -> tuple:
-  """AdamW (decay on matrices only) + warm-up, then cosine or constant +
-  global-norm clipping."""
+  """AdamW (decay on matrices only) + warm-up, then cosine or constant (with
+  an optional linear decay over its last `decay_steps`) + global-norm clipping."""
   if tc.get("schedule", "cosine") == "constant":
     schedule = optax.warmup_constant_schedule(0.0, tc.lr, max(tc.warmup_steps, 1))
+    decay = tc.get("decay_steps", 0)
+    if decay:
+      start = tc.num_steps - decay
+      schedule = optax.join_schedules(
+          [schedule, optax.linear_schedule(schedule(start), 0.0, decay)], [start])
   else:
     schedule = optax.warmup_cosine_decay_schedule(
         0.0, tc.lr, max(tc.warmup_steps, 1), max(tc.num_steps, tc.warmup_steps + 1),
@@ -603,7 +608,8 @@ def train(config, workdir: str) -> TrainResult:
       "best_eval_tau": meta["best_tau"],
       "best_step": meta["best_step"], "config": config.name,
       # the scored/exported weights: a moving average (ema_decay > 0) or the trained ones
-      "lr": tc.lr, "schedule": tc.schedule, "ema_decay": tc.ema_decay}
+      "lr": tc.lr, "schedule": tc.schedule,
+      "decay_steps": tc.get("decay_steps", 0), "ema_decay": tc.ema_decay}
   evaluating = eval_packer is not None and tc.eval_every > 0
   if jax.process_count() > 1 and start < end:
     steps = _compile_ahead(steps, state, target_params, packers, mesh, tc, start)
