@@ -132,6 +132,11 @@ CASES = [
         ["train", f"--config={TINY}", "--config.train.decay_steps=2", "--workdir", "{d}/w"],
         "error: --config.train.decay_steps must be 0 unless train.schedule is 'constant' "
         "(cosine decays already), got 2"),
+    cli("train", "`--config.train.loss=kl` with `train.precompute_kv` (no clean pass in the step)",
+        ["train", f"--config={TINY}", "--config.train.loss=kl",
+         "--config.train.precompute_kv=True", "--workdir", "{d}/w"],
+        "error: --config.train.loss must be 'ce' with train.precompute_kv (the kl loss reads "
+        "the target's distribution off the clean pass in the step), got 'kl'"),
     cli("train", "every prompt longer than `seq_len` (trained on nothing, loss 0)",
         ["train", f"--config={TINY}", "--config.data.regen_dir={d}/regen",
          "--config.train.seq_len=30", "--workdir", "{d}/w"],

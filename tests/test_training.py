@@ -10,6 +10,7 @@ import types
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 from tests import data_fixture, tiny  # noqa: E402
@@ -471,6 +472,50 @@ def test_loss_weights_and_offline_tau():
   np.testing.assert_array_equal(s["tau_BxK"], [[3.0, 0.0]])
   assert float(s["tau_sum"]) == 3.0
   assert "tau_BxK" not in loss_lib.offline_sums(logits, labels, valid, ok)
+
+
+def test_kl_soft_labels_are_the_targets_next_token_distribution(target):
+  """The `kl` loss's soft label for mask position p is the target's distribution
+  read at p - 1 of a plain forward, restricted to the draft vocabulary."""
+  cfg = target.config
+  rng = np.random.RandomState(1)
+  vocab = np.sort(rng.choice(cfg.vocab_size, 16, replace=False)).astype(np.int32)
+  dcfg = DrafterConfig(num_layers=2, block_size=4, calib_rank=8, draft_vocab=16)
+  draft = init_draft_params(target.params, cfg, dcfg, jax.random.PRNGKey(0), vocab=vocab)
+  toks = jnp.asarray(rng.randint(3, 200, size=(2, 24)), jnp.int32)
+  pos = jnp.array([[[5, 6, 7], [12, 13, 14]], [[3, 4, 5], [20, 21, 22]]], jnp.int32)
+  h, _ = loss_lib.clean_pass(target.params, cfg, toks)
+  got = np.asarray(loss_lib.target_logp(target.params, cfg, draft, h, pos))
+  full = np.asarray(transformer.logits(target.params, cfg, h), np.float64)
+  for b in range(2):
+    for m, p in enumerate(np.asarray(pos[b]).reshape(-1)):
+      z = full[b, p - 1, vocab]
+      np.testing.assert_allclose(got[b, m], z - z.max() - np.log(np.exp(z - z.max()).sum()),
+                                 atol=1e-5)
+
+
+def test_kl_loss_is_nonnegative_and_training_lowers_it(target):
+  cfg = target.config
+  dcfg = DrafterConfig(num_layers=2, block_size=4, calib_rank=8)
+  draft = init_draft_params(target.params, cfg, dcfg, jax.random.PRNGKey(0))
+  toks = jnp.asarray(np.random.RandomState(2).randint(3, 90, size=(2, 20)), jnp.int32)
+  batch = {"tokens_BxT": toks, "length_B": jnp.array([20, 15], jnp.int32),
+           "anchor_BxK": jnp.array([[3, 8], [2, 9]], jnp.int32),
+           "anchor_ok_BxK": jnp.ones((2, 2), bool)}
+  kl = lambda d: loss_lib.loss_and_metrics(d, target.params, cfg, dcfg, batch,
+                                           loss_type="kl")[0]
+  opt = optax.adam(3e-3)
+
+  @jax.jit
+  def step(d, s):
+    u, s = opt.update(jax.grad(kl)(d), s, d)
+    return optax.apply_updates(d, u), s
+
+  before, d, s = float(kl(draft)), draft, opt.init(draft)
+  assert before > 0
+  for _ in range(20):
+    d, s = step(d, s)
+  assert 0 <= float(kl(d)) < 0.5 * before
 
 
 def test_walk_tau_visits_the_anchors_decoding_would():

@@ -67,7 +67,11 @@ def base_config(name: str) -> ml_collections.ConfigDict:
   c.data.part = ""
 
   c.train = ml_collections.ConfigDict(dict(
-      seq_len=512, batch_size=8, anchors_per_seq=4, gamma=7.0, loss="ce",
+      seq_len=512, batch_size=8, anchors_per_seq=4, gamma=7.0,
+      # "ce": the data's token (the target's greedy one) at each mask position;
+      # "kl": KL(target || drafter) over the draft vocabulary, the target's own
+      # distribution read off the clean pass (so not with precomputed K/V).
+      loss="ce",
       lr=1e-3, warmup_steps=50, num_steps=2000, weight_decay=0.01,
       clip_norm=1.0, b1=0.9, b2=0.95, seed=0,
       log_every=10, eval_every=100, num_eval=32, eval_batch_size=8,
@@ -168,6 +172,9 @@ def check_train_config(config) -> None:
     _need(isinstance(v, numbers.Real) and math.isfinite(v) and v > 0, f"train.{name}",
           "a finite number > 0", v)
   _need(tc.loss in ("ce", "kl"), "train.loss", "'ce' or 'kl'", tc.loss)
+  _need(tc.loss == "ce" or not tc.precompute_kv, "train.loss",
+        "'ce' with train.precompute_kv (the kl loss reads the target's distribution "
+        "off the clean pass in the step)", tc.loss)
   _need(tc.get("schedule", "cosine") in ("cosine", "constant"), "train.schedule",
         "'cosine' or 'constant'", tc.get("schedule"))
   decay = tc.get("decay_steps", 0)

@@ -15,7 +15,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from flexdraft_jax.drafter.model import Drafter, DrafterConfig, draft_logits
+from flexdraft_jax.drafter.model import (Drafter, DrafterConfig, draft_head,
+                                         draft_logits)
 from flexdraft_jax.model import transformer
 from flexdraft_jax.model.config import ModelConfig
 
@@ -127,14 +128,7 @@ def loss_sums(draft_params, target_params, cfg: ModelConfig, dcfg: DrafterConfig
   if loss_type == "ce":
     per_BxKxS = -jnp.take_along_axis(logp, label_BxKxS[..., None], axis=-1)[..., 0]
   elif loss_type == "kl":
-    # The target's own distribution for the token at p comes from position p-1
-    # (restricted to the draft vocabulary).
-    prev = jnp.maximum(pos_BxKxS.reshape(B, K * S) - 1, 0)
-    h_prev = jnp.take_along_axis(h_clean, prev[..., None], axis=1)
-    t_logits = transformer.logits(target_params, cfg, h_prev)
-    if "vocab" in draft:
-      t_logits = jnp.take(t_logits, draft["vocab"], axis=-1)
-    t_logp = jax.lax.stop_gradient(jax.nn.log_softmax(t_logits, -1)).reshape(logp.shape)
+    t_logp = target_logp(target_params, cfg, draft, h_clean, pos_BxKxS).reshape(logp.shape)
     per_BxKxS = jnp.sum(jnp.exp(t_logp) * (t_logp - logp), axis=-1)
   else:
     raise ValueError(f"loss_type must be ce or kl, got {loss_type!r}")
@@ -144,6 +138,20 @@ def loss_sums(draft_params, target_params, cfg: ModelConfig, dcfg: DrafterConfig
                       in_vocab_BxKxS=in_vocab, per_anchor=per_anchor)
   sums.update(weight=jnp.sum(w_BxKxS), loss_num=jax.lax.stop_gradient(loss_num))
   return loss_num, sums
+
+
+def target_logp(target_params, cfg: ModelConfig, draft, h_clean_BxTxH, pos_BxKxS):
+  """The target's own log-probabilities for the token at each mask position p
+  (read at p - 1 of the clean pass), over the draft vocabulary and renormalised
+  there: `[B, K·S, V']`, no gradient. The `kl` loss's soft labels; the head is
+  the draft vocabulary's rows, so they cost V'/V of the full LM head."""
+  B = pos_BxKxS.shape[0]
+  prev = jnp.maximum(pos_BxKxS.reshape(B, -1) - 1, 0)
+  h_prev = jnp.take_along_axis(h_clean_BxTxH, prev[..., None], axis=1)
+  x = transformer.rms_norm(h_prev, target_params["final_norm"], cfg.rms_norm_eps)
+  head = draft_head(target_params, cfg, draft)
+  t_logits = jnp.einsum("BMH,VH->BMV", x, head, preferred_element_type=jnp.float32)
+  return jax.lax.stop_gradient(jax.nn.log_softmax(t_logits, -1))
 
 
 def _draft_index(draft, cfg: ModelConfig, label_BxKxS):
