@@ -500,7 +500,8 @@ def test_kl_loss_is_nonnegative_and_training_lowers_it(target):
   draft = init_draft_params(target.params, cfg, dcfg, jax.random.PRNGKey(0))
   toks = jnp.asarray(np.random.RandomState(2).randint(3, 90, size=(2, 20)), jnp.int32)
   batch = {"tokens_BxT": toks, "length_B": jnp.array([20, 15], jnp.int32),
-           "anchor_BxK": jnp.array([[3, 8], [2, 9]], jnp.int32),
+           # anchor 17's block runs past the batch's width (rows 20, 21: no loss)
+           "anchor_BxK": jnp.array([[3, 17], [2, 9]], jnp.int32),
            "anchor_ok_BxK": jnp.ones((2, 2), bool)}
   kl = lambda d: loss_lib.loss_and_metrics(d, target.params, cfg, dcfg, batch,
                                            loss_type="kl")[0]

@@ -145,8 +145,10 @@ def target_logp(target_params, cfg: ModelConfig, draft, h_clean_BxTxH, pos_BxKxS
   (read at p - 1 of the clean pass), over the draft vocabulary and renormalised
   there: `[B, K·S, V']`, no gradient. The `kl` loss's soft labels; the head is
   the draft vocabulary's rows, so they cost V'/V of the full LM head."""
-  B = pos_BxKxS.shape[0]
-  prev = jnp.maximum(pos_BxKxS.reshape(B, -1) - 1, 0)
+  B, T = h_clean_BxTxH.shape[:2]
+  # A block may run past the batch's width (those rows get no loss); clip so
+  # that the gather never fills them with NaN, which 0 weight would not cancel.
+  prev = jnp.clip(pos_BxKxS.reshape(B, -1) - 1, 0, T - 1)
   h_prev = jnp.take_along_axis(h_clean_BxTxH, prev[..., None], axis=1)
   x = transformer.rms_norm(h_prev, target_params["final_norm"], cfg.rms_norm_eps)
   head = draft_head(target_params, cfg, draft)
