@@ -4,12 +4,12 @@
       --config.train.deep_kv_dir=/work/runs/deep_kv --steps=12
 
 Builds the trainer exactly as `train` does (target, records, the precomputed
-clean K/V, the jitted step), runs 2 untimed steps, then times `--steps` steps,
-batch assembly on the host included, and prints mask rows/s with an analytic
-per-row FLOP breakdown (forward + backward) of where a step's compute goes.
-Without precomputed K/V a batch is cut to its own width (`train.width_multiple`),
-and the first step of each new width compiles: those steps are left out and the
-rate is the median step's.
+clean K/V, the jitted step), runs one untimed step of each batch width the timed
+steps will meet (the compiles), then times steps 0..`--steps`-1, batch assembly on
+the host included, and prints mask rows/s (of the median step, and the mean step:
+with widths that vary, the mean is a run's rate) with an analytic per-row FLOP
+breakdown (forward + backward) of where a step's compute goes. Without
+precomputed K/V a batch is cut to its own width (`train.width_multiple`).
 Point PYTHONPATH at another checkout to time its trainer with the same data.
 """
 
@@ -42,6 +42,13 @@ def flops_per_row(cfg, dcfg, seq_len: int) -> dict:
   }
 
 
+def step_width(packer, step: int, tc) -> int:
+  """The width of training batch `step` (seq_len with precomputed K/V)."""
+  if packer.deep_kv is not None or not packer.width_multiple:
+    return tc.seq_len
+  return packer.width(packer.train_indices(step, tc.batch_size)[0])
+
+
 def main(argv):
   del argv
   import jax
@@ -55,27 +62,35 @@ def main(argv):
   rows_per_step = tc.batch_size * tc.anchors_per_seq * bs
   rows = sharding.local_rows(tc.batch_size)
 
-  widths, times = set(), []
-  for step in range(2 + FLAGS.steps):
-    t0 = time.perf_counter()
+  def step_once(step):
+    nonlocal state
     host = packer.train_batch(step, tc.batch_size, rows)
-    state, m = train_step(state, target_params,
-                          sharding.put_batch(host, mesh, tc.batch_size))
+    state, m = train_step(state, target_params, sharding.put_batch(host, mesh, tc.batch_size))
     jax.block_until_ready(m)
-    width = host["tokens_BxT"].shape[1]
-    if step >= 2 and width in widths:  # not a compile
-      times.append(time.perf_counter() - t0)
-    widths.add(width)
-  if not times:
-    raise SystemExit("every timed step compiled a new batch width: raise --steps")
+    return host["tokens_BxT"].shape[1]
+
+  # Compile every width the timed steps will meet first (one step of each).
+  first_of = {}
+  for step in range(FLAGS.steps):
+    first_of.setdefault(step_width(packer, step, tc), step)
+  for step in sorted(first_of.values()):
+    step_once(step)
+  times, widths = [], []
+  for step in range(FLAGS.steps):
+    t0 = time.perf_counter()
+    widths.append(step_once(step))
+    times.append(time.perf_counter() - t0)
   dt = float(sorted(times)[len(times) // 2])
   # Rows that draft (slot 0 only carries attention for the others).
   parts = flops_per_row(info["target"].config, config.drafter, tc.seq_len)
   drafting_rows = tc.batch_size * tc.anchors_per_seq * (bs - 1)
   total = sum(parts.values())
   out = {"seconds_per_step": round(dt, 3), "timed_steps": len(times),
-         "widths": sorted(widths), "mask_rows_per_step": rows_per_step,
+         "mean_seconds_per_step": round(sum(times) / len(times), 3),
+         "widths": sorted(set(widths)), "mean_width": round(sum(widths) / len(widths), 1),
+         "mask_rows_per_step": rows_per_step,
          "mask_rows_per_s": round(rows_per_step / dt, 1),
+         "mean_mask_rows_per_s": round(rows_per_step * len(times) / sum(times), 1),
          "draft_vocab": config.drafter.get("draft_vocab", 0),
          "gflop_per_step_est": round(total * drafting_rows / 1e9, 1),
          "gflop_per_s_est": round(total * drafting_rows / 1e9 / dt, 1),
