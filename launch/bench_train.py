@@ -21,7 +21,7 @@ import time
 from absl import app, flags
 
 FLAGS = flags.FLAGS
-flags.DEFINE_integer("steps", 12, "timed steps")
+flags.DEFINE_integer("steps", 12, "timed steps", lower_bound=1)
 
 
 def flops_per_row(cfg, dcfg, seq_len: int) -> dict:
