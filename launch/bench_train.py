@@ -42,13 +42,6 @@ def flops_per_row(cfg, dcfg, seq_len: int) -> dict:
   }
 
 
-def step_width(packer, step: int, tc) -> int:
-  """The width of training batch `step` (seq_len with precomputed K/V)."""
-  if packer.deep_kv is not None or not packer.width_multiple:
-    return tc.seq_len
-  return packer.width(packer.train_indices(step, tc.batch_size)[0])
-
-
 def main(argv):
   del argv
   import jax
@@ -72,7 +65,7 @@ def main(argv):
   # Compile every width the timed steps will meet first (one step of each).
   first_of = {}
   for step in range(FLAGS.steps):
-    first_of.setdefault(step_width(packer, step, tc), step)
+    first_of.setdefault(packer.step_width(step, tc.batch_size), step)
   for step in sorted(first_of.values()):
     step_once(step)
   times, widths = [], []

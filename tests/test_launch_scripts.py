@@ -9,6 +9,8 @@ from __future__ import annotations
 import os
 import subprocess
 
+import jax.numpy as jnp
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STUB = """#!/bin/sh
 echo "$*" >> "$FLEXDRAFT_STUB_LOG"
@@ -73,3 +75,39 @@ def test_learning_curve_tables_fits_and_adds_the_variants_column(tmp_path):
   assert md[-1].startswith("Fit over the later half: τ ≈ 0.500 + 0.500·log10(rows)")
   assert "τ = 5: 1e+09 rows" in md[-1]
   assert (tmp_path / "lc.png").stat().st_size > 10_000
+
+
+def _mlp_for_profile(x, w):
+  return jnp.tanh(x @ w)
+
+
+def test_profile_train_step_attributes_ops_to_functions_and_loops(tmp_path):
+  """The profiler's per-op durations map, through the compiled module's
+  metadata, to the function that emitted each op, its pass and its loop."""
+  import importlib.util
+
+  import jax
+  spec = importlib.util.spec_from_file_location(
+      "profile_train_step", os.path.join(REPO, "launch", "profile_train_step.py"))
+  prof = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(prof)
+
+  def step(x, w):
+    y = jax.lax.fori_loop(0, 3, lambda i, y: _mlp_for_profile(y, w), x)
+    return jax.grad(lambda w: jnp.sum(_mlp_for_profile(y, w)))(w)
+
+  f = jax.jit(step)
+  x, w = jnp.ones((64, 32)), jnp.eye(32) * 0.5
+  jax.block_until_ready(f(x, w))
+  with jax.profiler.trace(str(tmp_path), create_perfetto_trace=True):
+    jax.block_until_ready(f(x, w))
+  index = prof.hlo_index(f.lower(x, w).compile().as_text())
+  events = prof.thunk_events(str(tmp_path), "jit_step")
+  assert events and all(us >= 0 for _, us in events)
+  seen = {(index[op][0], prof.own_function(index[op][2]),
+           "transpose(" in index[op][1], index[op][3] is not None)
+          for op, _ in events if op in index}
+  fn = "test_launch_scripts.py:_mlp_for_profile"
+  # the matmul runs in the loop (forward), once after it, and in the backward
+  assert any(f == fn and loop and not bwd for _, f, bwd, loop in seen), seen
+  assert any(f == fn and bwd and not loop for _, f, bwd, loop in seen), seen

@@ -19,20 +19,13 @@ With this, the layouts of SPEC §2/§4 are all one call:
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import jax
 import jax.numpy as jnp
 
 NEG_INF = -1e30
-
-
-def _softmax(s):
-  """Softmax over the last axis; keys at NEG_INF get 0, a row with none all 0."""
-  m = jnp.max(s, axis=-1, keepdims=True)
-  p = jnp.where(s > NEG_INF / 2, jnp.exp(s - m), 0.0)
-  denom = jnp.sum(p, axis=-1, keepdims=True)
-  return p / jnp.where(denom > 0, denom, 1.0)
 
 
 def attend_xla(q_BxTxNxD, k_BxKxSxD, v_BxKxSxD, limit_BxT,
@@ -58,9 +51,13 @@ def attend_xla(q_BxTxNxD, k_BxKxSxD, v_BxKxSxD, limit_BxT,
   s_BxKxRxS = jnp.einsum("BKRD,BKSD->BKRS", q_BxKxRxD, k_BxKxSxD,
                          preferred_element_type=jnp.float32)
   visible_BxRxS = jnp.arange(S)[None, None, :] <= limit_BxR[:, :, None]
-  scores = [jnp.where(visible_BxRxS[:, None], s_BxKxRxS, NEG_INF)]
-  has_extra = xk_BxExKxD is not None and xk_BxExKxD.shape[1] > 0
-  if has_extra:
+  # (scores, values, einsum of weights x values) per key source: the cache,
+  # then the extra keys. The softmax runs over both without concatenating
+  # them, and normalises after the value products ([R, D], not [R, S]).
+  parts = [(jnp.where(visible_BxRxS[:, None], s_BxKxRxS, NEG_INF), v_BxKxSxD,
+            lambda p, v: jnp.einsum("BKRS,BKSD->BKRD", p, v,
+                                    preferred_element_type=jnp.float32))]
+  if xk_BxExKxD is not None and xk_BxExKxD.shape[1] > 0:
     xk_BxKxExD, xv_BxKxExD = (x.transpose(0, 2, 1, 3) for x in (xk_BxExKxD, xv_BxExKxD))
     if extra_block:
       E, n = xk_BxKxExD.shape[2], T // extra_block
@@ -73,26 +70,25 @@ def attend_xla(q_BxTxNxD, k_BxKxSxD, v_BxKxSxD, limit_BxT,
           "BKnPD,BKnCD->BKnPC", blocks(q_BxKxRxD, extra_block * G),
           blocks(xk_BxKxExD, extra_block),
           preferred_element_type=jnp.float32).reshape(B, K, T * G, extra_block)
+      product = lambda p, v: jnp.einsum(
+          "BKnPC,BKnCD->BKnPD", blocks(p, extra_block * G), blocks(v, extra_block),
+          preferred_element_type=jnp.float32).reshape(B, K, T * G, D)
     else:
       x_BxKxRxE = jnp.einsum("BKRD,BKED->BKRE", q_BxKxRxD, xk_BxKxExD,
                              preferred_element_type=jnp.float32)
       q_group_R = jnp.repeat(q_group_T, G)
       same_RxE = (q_group_R[:, None] >= 0) & (q_group_R[:, None] == k_group_E[None, :])
       x_BxKxRxE = jnp.where(same_RxE[None, None], x_BxKxRxE, NEG_INF)
-    scores.append(x_BxKxRxE)
-  p = _softmax(jnp.concatenate(scores, axis=-1) if has_extra else scores[0])
-  o_BxKxRxD = jnp.einsum("BKRS,BKSD->BKRD", p[..., :S].astype(v_BxKxSxD.dtype),
-                         v_BxKxSxD, preferred_element_type=jnp.float32)
-  if has_extra:
-    p_x = p[..., S:].astype(xv_BxKxExD.dtype)
-    if extra_block:
-      o_BxKxRxD += jnp.einsum(
-          "BKnPC,BKnCD->BKnPD", blocks(p_x, extra_block * G),
-          blocks(xv_BxKxExD, extra_block),
-          preferred_element_type=jnp.float32).reshape(B, K, T * G, D)
-    else:
-      o_BxKxRxD += jnp.einsum("BKRE,BKED->BKRD", p_x, xv_BxKxExD,
-                              preferred_element_type=jnp.float32)
+      product = lambda p, v: jnp.einsum("BKRE,BKED->BKRD", p, v,
+                                        preferred_element_type=jnp.float32)
+    parts.append((x_BxKxRxE, xv_BxKxExD, product))
+  # Softmax over all parts' keys; keys at NEG_INF get 0, a row with none all 0.
+  m_BxKxRx1 = functools.reduce(jnp.maximum, [jnp.max(s, axis=-1, keepdims=True)
+                                             for s, _, _ in parts])
+  weights = [jnp.where(s > NEG_INF / 2, jnp.exp(s - m_BxKxRx1), 0.0) for s, _, _ in parts]
+  denom_BxKxRx1 = sum(jnp.sum(w, axis=-1, keepdims=True) for w in weights)
+  o_BxKxRxD = sum(product(w.astype(v.dtype), v) for w, (_, v, product) in zip(weights, parts))
+  o_BxKxRxD = o_BxKxRxD / jnp.where(denom_BxKxRx1 > 0, denom_BxKxRx1, 1.0)
   o = o_BxKxRxD.reshape(B, K, T, G, D).transpose(0, 2, 1, 3, 4).reshape(B, T, N, D)
   return o.astype(q_BxTxNxD.dtype)
 

@@ -543,6 +543,13 @@ class Packer:
     m = self.width_multiple
     return min(self.seq_len, -(-longest // m) * m)
 
+  def step_width(self, step: int, batch_size: int) -> int:
+    """The width of training batch `step`: `seq_len` with precomputed K/V or
+    without `width_multiple`, else its cut width (one compiled step each)."""
+    if self.deep_kv is not None or not self.width_multiple:
+      return self.seq_len
+    return self.width(self.train_indices(step, batch_size)[0])
+
   def train_indices(self, step: int, batch_size: int) -> tuple:
     """Record indices and anchor keys of global rows of batch `step`: epoch-wise
     seeded permutations, so the order depends only on (seed, step)."""
