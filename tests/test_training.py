@@ -456,6 +456,25 @@ def test_deep_kv_cache_resumes_an_interrupted_pass(tmp_path):
   assert not (tmp_path / "train.tmp.json").exists()
 
 
+def test_deep_kv_cache_refuses_a_pass_the_disk_cannot_hold(tmp_path, monkeypatch):
+  """The pass checks the free disk before its first write (a memory-mapped
+  write to a full disk kills the process); a cache already there stays."""
+  packer, cached, calls = _fake_kv_cache(tmp_path, "ab")
+  cached(2)
+  packer.records.append(types.SimpleNamespace(uid="c"))
+  # record c needs 2 (K, V) x 2 layers x 3 values x 4 bytes = 48 bytes
+  monkeypatch.setattr(train.shutil, "disk_usage",
+                      lambda d: types.SimpleNamespace(free=47))
+  with pytest.raises(FlexDraftError, match=r"clean K/V of 1 records needs .* GB more under"):
+    cached(2)
+  assert sorted(f.name for f in tmp_path.iterdir()) == ["train.json", "train_k.npy",
+                                                        "train_v.npy"]
+  monkeypatch.setattr(train.shutil, "disk_usage",
+                      lambda d: types.SimpleNamespace(free=48))
+  k, _ = cached(2)
+  assert calls[-1] == (2, ["c"]) and k.shape == (3, 2, 3)
+
+
 def test_loss_weights_and_offline_tau():
   w = loss_lib.slot_weights(4, 2.0)
   np.testing.assert_allclose(w, [0.0, 1.0, np.exp(-0.5), np.exp(-1.0)], rtol=1e-6)

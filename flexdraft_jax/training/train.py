@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import shutil
 import time
 import types
 from typing import Any, NamedTuple
@@ -438,8 +439,19 @@ def _write_shard(d, name, meta, uids, compute, flush_every, dtype=None) -> tuple
         json.dump(dict(meta, shard=shard, done=sorted(done)), f)
       os.replace(tmp_meta + ".part", tmp_meta)
 
-  last = time.monotonic()
+  last, checked_disk = time.monotonic(), False
   for rows_b, k, v in compute(todo):
+    if not checked_disk:
+      # Before writing anything: the shard's files grow to full size as records
+      # come in, and a memory-mapped write to a full disk kills the process.
+      need = 2 * len(todo) * k[0].size * np.dtype(dtype or k.dtype).itemsize
+      free = shutil.disk_usage(d).free
+      if write and need > free:
+        raise FlexDraftError(
+            f"the clean K/V of {len(todo)} records needs {need / 1e9:.1f} GB more under "
+            f"{d}, which has {free / 1e9:.1f} GB free: set train.deep_kv_dir elsewhere, "
+            "train.deep_kv_dtype=float16, or train.precompute_kv=False")
+      checked_disk = True
     if out is None:
       shape = (len(row_of),) + k.shape[1:]
       dt = np.dtype(dtype or k.dtype)
@@ -632,10 +644,14 @@ def train(config, workdir: str) -> TrainResult:
             f"loss {ev['eval_loss']:.3f}", flush=True)
   bar = tqdm.tqdm(total=end, initial=start, disable=not is_main, dynamic_ncols=True)
   t_last, s_last = time.perf_counter(), start
+  put = lambda step: sharding.put_batch(packer.train_batch(step, tc.batch_size, rows), mesh,
+                                       tc.batch_size)
+  batch = put(start) if start < end else None
   for step in range(start, end):
-    batch = sharding.put_batch(packer.train_batch(step, tc.batch_size, rows), mesh,
-                               tc.batch_size)
     state, m = train_step(state, target_params, batch)
+    # The step runs asynchronously: assemble the next batch meanwhile (with
+    # cached K/V, reads from the memory-mapped cache), then wait for it.
+    batch = put(step + 1) if step + 1 < end else None
     m = jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), m)
     meta["tokens_seen"] += int(m["tokens"])
     meta["mask_rows"] += rows_per_step
