@@ -91,15 +91,12 @@ def hlo_index(text: str) -> dict:
   return index
 
 
-def own_function(chain: list) -> str:
-  """The innermost frame in this package (the library's modules), else the
-  innermost one."""
+def own_function(chain: list, package_files=frozenset()) -> str:
+  """The innermost frame in one of `package_files` (the library's modules, by
+  file name), else the innermost one."""
   ours = [c for c in chain if not c.startswith(("api.py", "ad.py", "<"))]
-  pkg = [c for c in ours if c.split(":")[0] in PACKAGE_FILES]
+  pkg = [c for c in ours if c.split(":")[0] in package_files]
   return (pkg or ours or chain or ["?"])[0]
-
-
-PACKAGE_FILES = set()
 
 
 def thunk_events(trace_dir: str, module_prefix: str) -> list:
@@ -128,8 +125,8 @@ def main(argv):
   from flexdraft_jax.training import sharding, train
 
   root = os.path.dirname(flexdraft_jax.__file__)
-  PACKAGE_FILES.update(os.path.basename(p) for p in
-                       glob.glob(os.path.join(root, "**", "*.py"), recursive=True))
+  package_files = {os.path.basename(p) for p in
+                   glob.glob(os.path.join(root, "**", "*.py"), recursive=True)}
   config = FLAGS.config
   tc = config.train
   state, target_params, (packer, *_), (train_step, _), mesh, _ = train._setup(config,
@@ -165,7 +162,7 @@ def main(argv):
   events = thunk_events(trace_dir, "jit_train_step")
   for op, us in events:
     kind, op_name, chain, loop = index.get(op, ("?", "", [], None))
-    fn = own_function(chain)
+    fn = own_function(chain, package_files)
     part = "backward" if "transpose(" in op_name else "forward"
     if loop:
       part += f" in loop {loop} ({index.get(loop, ('', '', ['?']))[2][0]})"
