@@ -128,6 +128,9 @@ CASES = [
     cli("train", "`--config.train.ema_decay=1` (an average that never moves)",
         ["train", f"--config={TINY}", "--config.train.ema_decay=1", "--workdir", "{d}/w"],
         "error: --config.train.ema_decay must be a number in [0, 1), got 1.0"),
+    cli("train", "`--config.train.max_minutes=-1` (a budget already spent)",
+        ["train", f"--config={TINY}", "--config.train.max_minutes=-1", "--workdir", "{d}/w"],
+        "error: --config.train.max_minutes must be a number >= 0 (0: no limit), got -1.0"),
     cli("train", "`--config.train.decay_steps` with the cosine schedule (it decays already)",
         ["train", f"--config={TINY}", "--config.train.decay_steps=2", "--workdir", "{d}/w"],
         "error: --config.train.decay_steps must be 0 unless train.schedule is 'constant' "

@@ -109,7 +109,13 @@ def base_config(name: str) -> ml_collections.ConfigDict:
       # > 0 (e.g. 0.998): the drafter that is scored, exported and returned is an
       # exponential moving average of the trained weights (started at the initial
       # ones); the checkpoint keeps both. 0: the trained weights themselves.
-      ema_decay=0.0))
+      ema_decay=0.0,
+      # > 0: the run stops after the first step that ends this many minutes
+      # after `train` began (target load, compiles and a warm start's first
+      # eval included), as if it had reached num_steps there: a last eval,
+      # checkpoint and the exports. A run on a lent machine ends on time;
+      # rerunning the command resumes it.
+      max_minutes=0.0))
 
   c.mesh = ml_collections.ConfigDict(dict(data=-1, model=1))
   c.distributed = ml_collections.ConfigDict(dict(
@@ -185,6 +191,9 @@ def check_train_config(config) -> None:
         decay)
   _need(not decay or tc.get("schedule", "cosine") == "constant", "train.decay_steps",
         "0 unless train.schedule is 'constant' (cosine decays already)", decay)
+  minutes = tc.get("max_minutes", 0.0)
+  _need(isinstance(minutes, numbers.Real) and not isinstance(minutes, bool)
+        and minutes >= 0, "train.max_minutes", "a number >= 0 (0: no limit)", minutes)
   ema = tc.get("ema_decay", 0.0)
   _need(isinstance(ema, numbers.Real) and 0 <= ema < 1, "train.ema_decay",
         "a number in [0, 1)", ema)

@@ -586,6 +586,7 @@ def _train_row(m, meta, bs, rate) -> dict:
 def train(config, workdir: str) -> TrainResult:
   """Runs (or resumes) training in `workdir`."""
   check_train_config(config)
+  t_begin = time.perf_counter()  # train.max_minutes counts from here
   sharding.maybe_initialize_distributed(**dict(config.distributed))
   tc, bs = config.train, config.drafter.block_size
   is_main = jax.process_index() == 0
@@ -647,6 +648,7 @@ def train(config, workdir: str) -> TrainResult:
   put = lambda step: sharding.put_batch(packer.train_batch(step, tc.batch_size, rows), mesh,
                                        tc.batch_size)
   batch = put(start) if start < end else None
+  deadline = t_begin + 60.0 * tc.max_minutes if tc.get("max_minutes", 0.0) else None
   for step in range(start, end):
     state, m = train_step(state, target_params, batch)
     # The step runs asynchronously: assemble the next batch meanwhile (with
@@ -656,8 +658,10 @@ def train(config, workdir: str) -> TrainResult:
     meta["tokens_seen"] += int(m["tokens"])
     meta["mask_rows"] += rows_per_step
     done, row = step + 1, {}
-    eval_now = evaluating and (done % tc.eval_every == 0 or done == end)
-    if done % tc.log_every == 0 or done == end or eval_now:
+    # Out of time: this step is the run's last, as if it were num_steps.
+    last = done == end or (deadline is not None and _past(deadline))
+    eval_now = evaluating and (done % tc.eval_every == 0 or last)
+    if done % tc.log_every == 0 or last or eval_now:
       # An eval step off the log cadence logs its training row too.
       now = time.perf_counter()
       row = _train_row(m, meta, bs, (done - s_last) / max(now - t_last, 1e-9))
@@ -686,10 +690,14 @@ def train(config, workdir: str) -> TrainResult:
                 f"(best {meta['best_tau']:.3f} @ {meta['best_step']}){more}")
     if row:
       log.write(done, row)
-    if done % tc.ckpt_every == 0 or done == end:
+    if done % tc.ckpt_every == 0 or last:
       mngr.save(done, args=ocp.args.Composite(
           state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(dict(meta))))
     bar.update(1)
+    if last and done < end:
+      bar.write(f"train: stopping at step {done} after train.max_minutes="
+                f"{tc.max_minutes} (rerun to resume)")
+      break
   bar.close()
   mngr.wait_until_finished()
   mngr.close()
@@ -706,6 +714,16 @@ def train(config, workdir: str) -> TrainResult:
     with open(os.path.join(workdir, "summary.json"), "w") as f:
       json.dump(summary, f, indent=1)
   return TrainResult(summary, final.params)
+
+
+def _past(deadline: float) -> bool:
+  """Whether the clock has passed `deadline`, the same answer on every process
+  (each must stop at the same step: the steps are collectives)."""
+  past = time.perf_counter() >= deadline
+  if jax.process_count() > 1:
+    from jax.experimental import multihost_utils
+    past = bool(multihost_utils.process_allgather(np.int32(past)).max())
+  return past
 
 
 def _other_writes(config, workdir) -> str:
