@@ -617,6 +617,49 @@ def test_resume_gives_the_uninterrupted_result(tmp_path, regen, reference):
   assert [r["loss"] for r in new_rows] == [r["loss"] for r in ref_rows]
 
 
+def test_max_minutes_ends_the_run_on_time_and_a_rerun_resumes(tmp_path, regen):
+  # A budget shorter than the setup: the first step is the last, and the run
+  # ends as at num_steps (checkpoint, metrics row, both exports); rerunning
+  # without the budget goes on from that checkpoint.
+  cfg = tiny.tiny_config(regen[0], num_steps=6, ckpt_every=100, eval_every=3,
+                         max_minutes=1e-4)
+  cut = train.train(cfg, str(tmp_path))
+  assert cut.summary["steps"] == 1
+  rows = _read_csv(os.path.join(str(tmp_path), "metrics.csv"))
+  assert rows[-1]["step"] == "1" and rows[-1]["eval_tau"]
+  for name in ("best_drafter", "final_drafter"):
+    assert os.path.isfile(os.path.join(str(tmp_path), name, "drafter.json"))
+  cfg.train.max_minutes = 0.0
+  resumed = train.train(cfg, str(tmp_path))
+  assert resumed.summary["steps"] == 6
+  steps = [r["step"] for r in _read_csv(os.path.join(str(tmp_path), "metrics.csv"))]
+  assert steps == ["1", "2", "3", "4", "5", "6"]
+
+
+def test_device_pipeline_fits_the_steps_to_its_budget_and_archives(tmp_path, regen):
+  # launch/device_pipeline.py at tiny scale: the probe's fitted num_steps, the
+  # run, its curve and the archive of its best drafter.
+  import tarfile
+  out = tmp_path / "out"
+  cmd = [sys.executable, os.path.join(tiny.REPO, "launch", "device_pipeline.py"),
+         f"--config={os.path.join(tiny.REPO, 'configs', 'tiny_test.py')}",
+         f"--config.data.regen_dir={regen[0]}", "--config.train.seq_len=48",
+         "--config.train.eval_every=2", f"--out={out}", "--minutes=1.2",
+         "--reserve_minutes=0.9", "--probe", "--probe_steps=2"]
+  env = dict(os.environ, PYTHONPATH=tiny.REPO)
+  if XLA_CACHE:
+    env["JAX_COMPILATION_CACHE_DIR"] = XLA_CACHE
+  done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+  assert done.returncode == 0, done.stderr[-2000:]
+  summary = json.load(open(out / "summary.json"))
+  probe, run = summary["stages"]["probe"], summary["stages"]["train"]
+  assert probe["seconds_per_step"] > 0 and probe["num_steps"] >= 1
+  assert run["steps"] <= probe["num_steps"] and run["best_eval_tau"] >= 1.0
+  assert summary["stages"]["export"]["curve"] and (out / "curve.png").stat().st_size > 0
+  with tarfile.open(out / "drafter.tar.xz") as tar:
+    assert "drafter/drafter.json" in tar.getnames()
+
+
 # -------------------------------------------------------------- sharding ----
 
 _DRIVER = r"""

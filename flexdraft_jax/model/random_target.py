@@ -3,7 +3,8 @@
 A randomly initialised tiny model with a byte tokenizer, for tests and the
 `tiny_test` config. NAME is one of RANDOM_CONFIGS:
 `tiny` (Llama-style, tied embeddings), `tiny-qwen3` (qk-norm, untied head),
-`tiny-qwen2` (q/k/v biases).
+`tiny-qwen2` (q/k/v biases); `smollm2-135m-shape` (SmolLM2-135M's shapes, for
+timing).
 """
 
 from __future__ import annotations
@@ -54,6 +55,13 @@ RANDOM_CONFIGS = {
     "tiny-qwen3": ModelConfig(**_BASE, qk_norm=True, tie_embeddings=False,
                               model_type="qwen3"),
     "tiny-qwen2": ModelConfig(**_BASE, attention_bias=True, model_type="qwen2"),
+    # SmolLM2-135M's shapes with random weights: times the real model's steps
+    # (launch/bench_train.py, launch/device_pipeline.py's --probe) where its
+    # weights are not at hand.
+    "smollm2-135m-shape": ModelConfig(**dict(
+        _BASE, vocab_size=49152, hidden_size=576, intermediate_size=1536,
+        num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64,
+        rope_theta=100000.0, rms_norm_eps=1e-5)),
 }
 
 
