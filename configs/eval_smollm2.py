@@ -11,12 +11,12 @@ A quick look on a CPU (a few minutes):
 
 Lists are comma-separated strings (--config.eval.batch_sizes=1,4,16). Benchmark
 files come from $FLEXDRAFT_DATA, else <repo>/../shared/data (--config.data_dir).
-The drafter is flexdraft_jax/drafters/smollm2_135m (--config.drafter=DIR); until
+The drafter is flexdraft_jax/drafters/smollm2_135m_L8 (--config.drafter=DIR); until
 it exists a random drafter stands in, loudly (--config.random_drafter.allow=False
-refuses instead). Ablation drafters with L = 2, 6, 8 draft layers are the
+refuses instead). Ablation drafters with L = 2 and 6 draft layers are the
 trainer's exports, made by `bash launch/train_ablation.sh` (the shipped recipe with
 --config.drafter.num_layers=N into <runs>/smollm2_135m_LN); a missing one is a
-skipped row. The workdir is resumable: finished cells are never rerun.
+skipped row. L = 4 is the shipped flexdraft_jax/drafters/smollm2_135m. The workdir is resumable: finished cells are never rerun.
 """
 
 import os
@@ -31,7 +31,7 @@ def get_config():
   c.target = "smollm2-135m"
   c.dtype = "float32"
   c.drafter = SHIPPED_DRAFTER
-  c.random_drafter.num_layers = 4      # the shipped drafter's shape (configs/smollm2_135m.py)
+  c.random_drafter.num_layers = 8      # the shipped drafter's shape (configs/smollm2_135m_L8_gpu.py)
   c.random_drafter.block_size = 8
   c.random_drafter.calib_rank = 256
   c.eval.datasets = "gsm8k,math500,humaneval,mbpp,mt_bench"
@@ -43,8 +43,9 @@ def get_config():
   c.eval.theta = 0.01
   c.ablation.datasets = "gsm8k,mt_bench"
   c.ablation.batch_size = 1
-  for n in (2, 6, 8):
+  for n in (2, 6):
     c.ablation.layer_drafters[f"L{n}"] = os.path.join(
         runs_root(), f"smollm2_135m_L{n}", "best_drafter")
-  c.ablation.layer_drafters.L4 = ""    # the main (shipped) drafter has L = 4
+  c.ablation.layer_drafters.L4 = "flexdraft_jax/drafters/smollm2_135m"
+  c.ablation.layer_drafters.L8 = ""    # the main (shipped) drafter has L = 8
   return c

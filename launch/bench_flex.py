@@ -31,7 +31,7 @@ from absl import flags
 flags.DEFINE_list("batch_sizes", ["1", "4", "16"], "batch sizes")
 flags.DEFINE_integer("max_new_tokens", 64, "new tokens per row (stops off)")
 flags.DEFINE_integer("repeats", 5, "timed calls per mode and batch size")
-flags.DEFINE_string("drafter", "flexdraft_jax/drafters/smollm2_135m", "drafter directory")
+flags.DEFINE_string("drafter", "flexdraft_jax/drafters/smollm2_135m_L8", "drafter directory")
 flags.DEFINE_float("threshold", 0.0, "selective verification θ of flex's steps")
 flags.DEFINE_list("fixed", [], "fixed MODE:K settings to time as well (e.g. sequential:5)")
 flags.DEFINE_string("data_dir", "", "benchmark files (default: ../shared/data or $FLEXDRAFT_DATA)")

@@ -27,7 +27,7 @@ flags.DEFINE_integer("batch", 1, "rows per step")
 flags.DEFINE_list("ks", ["2", "3", "4", "5", "8"], "verify lengths of the sequential steps")
 flags.DEFINE_integer("rounds", 8, "alternating timing rounds")
 flags.DEFINE_integer("calls", 5, "calls per round (their mean is one sample)")
-flags.DEFINE_string("drafter", "flexdraft_jax/drafters/smollm2_135m", "drafter directory")
+flags.DEFINE_string("drafter", "flexdraft_jax/drafters/smollm2_135m_L8", "drafter directory")
 FLAGS = flags.FLAGS
 
 PROMPT = ("Natalia sold clips to 48 of her friends in April, and then she sold half as "

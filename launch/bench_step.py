@@ -25,7 +25,7 @@ flags.DEFINE_list("batch_sizes", ["1", "4", "16"], "batch sizes")
 flags.DEFINE_list("ks", ["2", "3", "5", "9", "16"], "verify lengths (≤ the block size)")
 flags.DEFINE_list("modes", ["sequential", "parallel"], "speculative modes")
 flags.DEFINE_integer("max_new_tokens", 48, "new tokens per row")
-flags.DEFINE_string("drafter", "flexdraft_jax/drafters/smollm2_135m", "drafter directory")
+flags.DEFINE_string("drafter", "flexdraft_jax/drafters/smollm2_135m_L8", "drafter directory")
 flags.DEFINE_string("data_dir", "", "benchmark files (default: ../shared/data or $FLEXDRAFT_DATA)")
 flags.DEFINE_string("out", "", "write the results as JSON here")
 FLAGS = flags.FLAGS

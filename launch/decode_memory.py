@@ -20,7 +20,7 @@ from absl import app
 from absl import flags
 
 flags.DEFINE_enum("layout", "layers", ["layers", "stacked"], "target layout")
-flags.DEFINE_string("drafter", "flexdraft_jax/drafters/smollm2_135m", "drafter directory")
+flags.DEFINE_string("drafter", "flexdraft_jax/drafters/smollm2_135m_L8", "drafter directory")
 FLAGS = flags.FLAGS
 
 

@@ -31,7 +31,7 @@ from absl import app
 from absl import flags
 import numpy as np
 
-flags.DEFINE_list("drafters", ["flexdraft_jax/drafters/smollm2_135m"], "drafter directories")
+flags.DEFINE_list("drafters", ["flexdraft_jax/drafters/smollm2_135m_L8"], "drafter directories")
 flags.DEFINE_list("datasets", ["gsm8k", "humaneval", "mbpp"], "benchmarks")
 flags.DEFINE_integer("limit", 64, "prompts per benchmark (the first ones)")
 flags.DEFINE_integer("max_new_tokens", 128, "answer tokens per prompt")

@@ -32,7 +32,7 @@ from launch import decode_state
 flags.DEFINE_integer("batch", 1, "rows per step")
 flags.DEFINE_list("ks", ["1", "2", "4", "8"], "verify lengths to time")
 flags.DEFINE_integer("reps", 20, "timed calls per part (mean reported)")
-flags.DEFINE_string("drafter", "flexdraft_jax/drafters/smollm2_135m", "drafter directory")
+flags.DEFINE_string("drafter", "flexdraft_jax/drafters/smollm2_135m_L8", "drafter directory")
 FLAGS = flags.FLAGS
 
 PROMPT = ("Natalia sold clips to 48 of her friends in April, and then she sold half as "

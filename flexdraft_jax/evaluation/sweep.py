@@ -39,7 +39,7 @@ from flexdraft_jax.model.config import FlexDraftError
 RESULTS_FILE = "results.json"
 FORMAT_VERSION = 1
 PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SHIPPED_DRAFTER = "flexdraft_jax/drafters/smollm2_135m"
+SHIPPED_DRAFTER = "flexdraft_jax/drafters/smollm2_135m_L8"
 
 # settings every cell of a workdir shares (a change needs another workdir)
 SHARED_SETTINGS = ("max_new_tokens", "limit", "batches_per_cell", "seed", "strategy",
