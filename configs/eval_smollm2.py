@@ -16,7 +16,8 @@ it exists a random drafter stands in, loudly (--config.random_drafter.allow=Fals
 refuses instead). Ablation drafters with L = 2 and 6 draft layers are the
 trainer's exports, made by `bash launch/train_ablation.sh` (the shipped recipe with
 --config.drafter.num_layers=N into <runs>/smollm2_135m_LN); a missing one is a
-skipped row. L = 4 is the shipped flexdraft_jax/drafters/smollm2_135m. The workdir is resumable: finished cells are never rerun.
+skipped row. L = 4 is the shipped flexdraft_jax/drafters/smollm2_135m. The workdir
+is resumable: finished cells are never rerun.
 """
 
 import os

@@ -31,7 +31,7 @@ import sys
 import tarfile
 import time
 
-from absl import app, flags
+from absl import flags
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("out", None, "(required) where the stages write; made if missing")

@@ -112,7 +112,8 @@ def base_config(name: str) -> ml_collections.ConfigDict:
       ema_decay=0.0,
       # > 0: the run stops after the first step that ends this many minutes
       # after `train` began (target load, compiles and a warm start's first
-      # eval included), as if it had reached num_steps there: a last eval,
+      # eval included; with several processes, the first logged step past
+      # it), as if it had reached num_steps there: a last eval,
       # checkpoint and the exports. A run on a lent machine ends on time;
       # rerunning the command resumes it.
       max_minutes=0.0))
