@@ -9,7 +9,8 @@ The decoding issue's goal is that flex's throughput is never below AR's: where
 speculation does not pay, flex must run plain AR steps at AR's speed. A sweep
 times each cell once, minutes apart, so on a shared CPU two cells of the same
 code differ by ±10 %. Here the two modes alternate (AR, flex, AR, flex, …) on
-the same batch — the first `B` GSM8K test questions under the chat template,
+the same batch — the first `B` GSM8K test questions under the chat template (with
+`--batches=N` the first N·B, B at a time, each mode's tokens/s over all N),
 greedy, stops off so every row decodes `--max_new_tokens` — after one untimed
 call of each, and each mode's tokens/s is the median (and best) of `--repeats`
 decode-only timings (the engine's `decode_seconds`). Flex runs with `B* = auto`:
@@ -31,6 +32,8 @@ from absl import flags
 flags.DEFINE_list("batch_sizes", ["1", "4", "16"], "batch sizes")
 flags.DEFINE_integer("max_new_tokens", 64, "new tokens per row (stops off)")
 flags.DEFINE_integer("repeats", 5, "timed calls per mode and batch size")
+flags.DEFINE_integer("batches", 1, "batches per batch size B: the first batches × B "
+                     "questions, B at a time; tokens/s and τ over all of them")
 flags.DEFINE_string("drafter", "flexdraft_jax/drafters/smollm2_135m_L8", "drafter directory")
 flags.DEFINE_float("threshold", 0.0, "selective verification θ of flex's steps")
 flags.DEFINE_list("fixed", [], "fixed MODE:K settings to time as well (e.g. sequential:5)")
@@ -48,7 +51,8 @@ def main(argv):
   drafter = fd.load_drafter(sweep.resolve_path(FLAGS.drafter), target)
   kw = benchmarks.chat_kwargs(target)
   sizes = [int(b) for b in FLAGS.batch_sizes]
-  rows = benchmarks.load_benchmark("gsm8k", FLAGS.data_dir or data_root(), max(sizes))
+  rows = benchmarks.load_benchmark("gsm8k", FLAGS.data_dir or data_root(),
+                                   max(sizes) * FLAGS.batches)
   results = []
   fixed = {}
   for spec in FLAGS.fixed:
@@ -59,8 +63,8 @@ def main(argv):
         "| outputs equal |", flush=True)
   print("|---|---|---|---|---|---|---|---|", flush=True)
   for b in sizes:
-    ids = [benchmarks.render(target.tokenizer, benchmarks.messages_for_turn(p, []), kw)
-           for p in rows[:b]]
+    batches = [[benchmarks.render(target.tokenizer, benchmarks.messages_for_turn(p, []), kw)
+                for p in rows[j * b:(j + 1) * b]] for j in range(FLAGS.batches)]
     opts = {"ar": dict(mode="ar"),
             "flex": dict(mode="flex", drafter=drafter, threshold=FLAGS.threshold),
             **fixed}
@@ -68,21 +72,22 @@ def main(argv):
     last = {}
     for i in range(FLAGS.repeats + 1):
       for m, o in opts.items():
-        res = fd.generate(target, ids, max_new_tokens=FLAGS.max_new_tokens, stop=[], **o)
+        last[m] = [fd.generate(target, ids, max_new_tokens=FLAGS.max_new_tokens, stop=[], **o)
+                   for ids in batches]
         if i:  # the first call of each mode compiles
-          tps[m].append(res.stats["tokens_per_second"])
-        last[m] = res
+          tps[m].append(sum(r.stats["decode_tokens"] for r in last[m])
+                        / sum(r.stats["decode_seconds"] for r in last[m]))
     med = {m: statistics.median(v) for m, v in tps.items()}
-    steps = last["flex"].stats["mode_steps"]
-    ks = last["flex"].stats["group_counts"]
-    equal = all(last[m].token_ids == last["ar"].token_ids for m in opts)
+    steps = _run_lengths(r.stats["mode_steps"] for r in last["flex"])
+    ks = _run_lengths(r.stats["group_counts"] for r in last["flex"])
+    equal = all(x.token_ids == y.token_ids for m in opts for x, y in zip(last[m], last["ar"]))
     best = max(fixed, key=med.get) if fixed else None
-    results.append({"batch_size": b, "tokens_per_second": tps, "median": med,
-                    "flex_over_ar": med["flex"] / med["ar"], "flex_mode_steps": steps,
-                    "flex_verify_lengths": ks, "best_fixed": best,
-                    "tau": {m: last[m].stats["tau"] for m in opts},
-                    "step_costs": last["flex"].stats.get("step_costs"),
-                    "flex_choices": last["flex"].stats.get("flex_choices"),
+    results.append({"batch_size": b, "batches": FLAGS.batches, "tokens_per_second": tps,
+                    "median": med, "flex_over_ar": med["flex"] / med["ar"],
+                    "flex_mode_steps": steps, "flex_verify_lengths": ks, "best_fixed": best,
+                    "tau": {m: _tau(last[m]) for m in opts},
+                    "step_costs": last["flex"][-1].stats.get("step_costs"),
+                    "flex_choices": [r.stats.get("flex_choices") for r in last["flex"]],
                     "outputs_equal": equal})
     best_cols = (f"{best}, {med[best]:.1f} | {med['flex'] / med[best]:.2f}" if best
                  else "- | -")
@@ -96,6 +101,21 @@ def main(argv):
       json.dump({"max_new_tokens": FLAGS.max_new_tokens, "repeats": FLAGS.repeats,
                  "results": results}, f, indent=1)
   return 0 if all(r["outputs_equal"] for r in results) else 1
+
+
+def _run_lengths(logs) -> list:
+  """[key, steps] totals over several runs' run-length logs, in first-seen order."""
+  total = {}
+  for log in logs:
+    for key, n in log:
+      total[key] = total.get(key, 0) + n
+  return [[key, n] for key, n in total.items()]
+
+
+def _tau(results) -> float:
+  """Tokens committed per row-step over several runs (the engine's τ)."""
+  return (sum(r.stats["committed_tokens"] for r in results)
+          / max(sum(r.stats["verified_row_steps"] for r in results), 1))
 
 
 if __name__ == "__main__":

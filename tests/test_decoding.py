@@ -388,8 +388,9 @@ def test_tau_by_length_from_counts_and_confidence():
   assert d.verified[1:3].tolist() == [100, 80] and d.accepted[1:3].tolist() == [80, 40]
   tau = d.tau_by_length(state)
   # each verified slot: its counts plus PRIOR_WEIGHT steps of the prior, the
-  # confidence × how well it has predicted acceptance (120 accepted / 90 predicted)
-  prior, w = 0.5 * (120 / 90), flex.PRIOR_WEIGHT
+  # confidence × how well it has predicted acceptance on slots 2.. (40 accepted
+  # of 80 verified at confidence 0.5: as predicted)
+  prior, w = 0.5 * (40 / 40), flex.PRIOR_WEIGHT
   r1, r2 = (80 + w * prior) / (100 + w), (40 + w * prior) / (80 + w)
   assert tau[2] == pytest.approx(1 + r1) and tau[3] == pytest.approx(1 + r1 + r1 * r2)
   # slots 3.. never verified: the prior alone
@@ -399,6 +400,38 @@ def test_tau_by_length_from_counts_and_confidence():
   d.count_acceptance(np.array([0, 20, 40, 40, 0, 0, 0, 0, 0]) * 1000, 3)
   assert d.tau_by_length(state)[3] == pytest.approx(1 + 0.8 + 0.8 * 0.5, abs=2e-3)
   assert _driver(verify_len=5).buckets == (2, 3, 4, 5)
+
+
+def test_tau_prior_scale_is_fitted_on_slots_past_the_first():
+  # Slot 1 runs overconfident (0.9, accepted half the time) while the later
+  # slots accept as confident as they are: slot 1's own counts correct it, and
+  # the never-verified slots keep their confidence unscaled.
+  d = _driver()
+  state = _conf_state([0.9] + [0.6] * 6)
+  # 100 steps at k = 3: slot 1 accepted 50, slot 2 30 of those 50 (0.6)
+  d.count_acceptance(np.array([0, 50, 20, 30, 0, 0, 0, 0, 0]), 3)
+  tau = d.tau_by_length(state)
+  w = flex.PRIOR_WEIGHT
+  r1, r2 = (50 + w * 0.9) / (100 + w), (30 + w * 0.6) / (50 + w)
+  assert tau[8] == pytest.approx(1 + r1 + r1 * r2 * sum(0.6 ** i for i in range(6)))
+  # (fitted on every slot the scale would be 80 / 108 and slot 3.. would read 0.44)
+
+
+def test_tau_prior_is_the_confidence_given_the_slots_before_were_accepted():
+  # Confident drafts come in runs: of two choices, one block confident
+  # throughout and one not, the chance that slot 2 is accepted given slot 1
+  # was is the ratio of their mean survivals Π conf, not slot 2's mean
+  # confidence (0.5 here, which would undercount the long runs).
+  d = _driver()
+  d.costs = {"ar": 1.0, "sequential": {str(k): 1.0 for k in d.buckets},
+             "parallel": {str(k): 1.0 for k in d.buckets}}
+  d.choose(_conf_state([0.9] * 7), 1, 8, B=1, S=64)
+  d.choose(_conf_state([0.1] * 7), 1, 8, B=1, S=64)
+  wt = np.array([flex.ACCEPT_DECAY, 1.0])  # the older choice weighs less
+  surv = [float(wt @ np.array([0.9, 0.1]) ** i) / wt.sum() for i in range(1, 8)]
+  assert d.tau_by_length(_conf_state([0.5] * 7))[8] == pytest.approx(1 + sum(surv))
+  cond2 = surv[1] / surv[0]
+  assert cond2 > 0.7  # 0.82 (against a mean confidence of 0.37)
 
 
 def test_acceptance_decays_only_in_the_slots_a_chunk_verified():
@@ -512,6 +545,30 @@ def test_flex_corrects_step_costs_with_what_chunks_took():
   assert d.cost_scale(1, "ar") == pytest.approx(1.1)
   # Other batch shapes keep their own corrections.
   assert d.cost_scale(4, mode) == 1.0
+
+
+def test_flex_corrects_each_verify_length_by_its_own_chunks():
+  # k = 8's timed cost read 20 % high (a slow spell while it was timed), k = 4's
+  # right: each length's chunks correct its own cost once it has MIN_TIMED
+  # steps, and the mode's other lengths share the mode's ratio.
+  d = _driver()
+  d.modes = ("sequential",)
+  d.costs = {"ar": 1.0, "sequential": {"2": 1.5, "3": 1.55, "4": 1.6, "8": 1.8}}
+  hist = np.zeros(9, np.int64)
+  hist[1] = 16
+  d.observe(hist, "sequential", 8, B=1, steps=16, seconds=16 * 1.5)
+  d.observe(hist, "sequential", 4, B=1, steps=16, seconds=16 * 1.6)
+  assert d.cost_scale(1, "sequential", 8) == pytest.approx(1.5 / 1.8)
+  assert d.cost_scale(1, "sequential", 4) == pytest.approx(1.0)
+  pooled = (16 * 1.5 + 16 * 1.6) / (16 * 1.8 + 16 * 1.6)
+  assert d.cost_scale(1, "sequential", 2) == pytest.approx(pooled)
+  assert d.cost_scale(1, "sequential") == pytest.approx(pooled)
+  # the prediction uses them: τ(8) ≥ τ(4), so k = 8 at its realized 1.5 beats
+  # k = 4 at 1.6 (on the timed costs it would lose wherever τ(8) < 1.125 τ(4))
+  rates = d.predicted_rates(_conf_state([0.9] * 7), B=1)
+  tau = d.tau_by_length(_conf_state([0.9] * 7))
+  assert rates[("sequential", 8)] == pytest.approx(tau[8] / 1.5)
+  assert rates[("sequential", 8)] > rates[("sequential", 4)]
 
 
 def test_flex_modes_that_have_not_run_share_the_machine_s_slowdown(monkeypatch):

@@ -9,17 +9,19 @@ with τ(k) = 1 + Σ_{i<k} Π_{j≤i} r_j, r_j the acceptance rate of draft slot 
 given the slots before it were accepted — counted from the recent steps where
 slot j was verified (each older chunk that verified slot j weighs
 `ACCEPT_DECAY` less there: a run at a short k keeps what longer steps saw), blended
-with a prior from the drafts' own confidences (scaled by how well they have
-predicted acceptance), which is all there is for slots never verified. AR
-competes with τ = 1;
+with a prior from the drafts' own confidences — slot j's confidence given the
+slots before it were accepted, the ratio of the mean Π_{i≤j} conf_i to the mean
+Π_{i<j} conf_i, scaled by how well they have predicted acceptance — which is all
+there is for slots never verified. AR competes with τ = 1;
 a speculative choice must beat it by `AR_MARGIN` to start, and stays while
 it is predicted at least as fast (AR steps observe no acceptance, so a switch
 to AR on a noisy estimate would stand unchallenged until the next probe). What the
-chunks then really cost corrects the model: per mode, the ratio of the seconds
-the decoding chunks took to what the measured costs predicted scales that
-mode's costs, so a mode slower than timed falls back to AR at the next choice
-(a mode that has not run lately borrows the others' ratio, up to
-`MACHINE_DRIFT`: a busy machine slows every mode);
+chunks then really cost corrects the model: per (mode, k) once it has run
+`MIN_TIMED` steps, else per mode, the ratio of the seconds the decoding chunks
+took to what the measured costs predicted scales those costs, so a mode
+slower than timed falls back to AR at the next choice (a mode that has not
+run lately borrows the others' ratio, up to `MACHINE_DRIFT`: a busy machine
+slows every mode);
 until a (mode, k) has timed steps at this batch shape its chunks are short
 (`PROBE_STEPS`), so a wrong first choice costs a few steps. AR learns nothing
 about acceptance, so where speculation came close flex probes it again after
@@ -134,8 +136,8 @@ class FlexPolicy:
     # Batch rows -> {(mode, k): [steps, seconds, tokens]} of decoding chunks
     # during which nothing compiled.
     self.realized = {}
-    # Mean draft confidence per slot over recent choices (decayed), the prior
-    # of slots with few verifications.
+    # Mean confidence survival per slot over recent choices (decayed), whence
+    # the prior of slots with few verifications (tau_by_length).
     self.conf_sum, self.conf_n = np.zeros(bs), 0.0
     self.ar_stretch = AR_STRETCH   # AR steps before the next probe, at least
     self.probe_at = AR_STRETCH     # ... and with PROBE_BUDGET (see choose)
@@ -189,26 +191,33 @@ class FlexPolicy:
       return min(default, PROBE_STEPS)
     return default
 
-  def cost_scale(self, B: int, mode: str) -> float:
+  def cost_scale(self, B: int, mode: str, k: int = 0) -> float:
     """Seconds the decoding chunks of `mode` took over what the step costs
-    predicted for them. A mode with fewer than MIN_TIMED such steps at B
-    borrows the other modes' ratio clipped to [1 / MACHINE_DRIFT,
-    MACHINE_DRIFT] — the machine runs slower or faster now than when the costs
-    were timed, for every mode alike — and 1 where no mode has any."""
+    predicted for them: those at verify length `k` where it has MIN_TIMED
+    steps at B (its timed or interpolated cost may be off by itself: two
+    lengths of one mode are timed, each in a few steps), else all of the
+    mode's. A mode with fewer than MIN_TIMED such steps borrows the other
+    modes' ratio clipped to [1 / MACHINE_DRIFT, MACHINE_DRIFT] — the machine
+    runs slower or faster now than when the costs were timed, for every mode
+    alike — and 1 where no mode has any."""
     if self.costs is None:
       return 1.0
-    own = self._realized_ratio(B, lambda m: m == mode)
+    if k:
+      own = self._realized_ratio(B, lambda m, kk: (m, kk) == (mode, k))
+      if own is not None:
+        return own
+    own = self._realized_ratio(B, lambda m, kk: m == mode)
     if own is not None:
       return own
-    other = self._realized_ratio(B, lambda m: m != mode)
+    other = self._realized_ratio(B, lambda m, kk: m != mode)
     if other is None:
       return 1.0
     return float(np.clip(other, 1.0 / MACHINE_DRIFT, MACHINE_DRIFT))
 
   def _realized_ratio(self, B: int, pick):
-    """Realized / predicted seconds of the chunks of the modes `pick` selects
-    at B; None under MIN_TIMED steps."""
-    rows = [(m, kk, r) for (m, kk), r in self.realized.get(B, {}).items() if pick(m)]
+    """Realized / predicted seconds of the chunks at B whose (mode, k) `pick`
+    selects; None under MIN_TIMED steps."""
+    rows = [(m, kk, r) for (m, kk), r in self.realized.get(B, {}).items() if pick(m, kk)]
     if sum(r[0] for _, _, r in rows) < MIN_TIMED:
       return None
     predicted = sum(r[0] * self._cost(m, kk) for m, kk, r in rows)
@@ -307,7 +316,9 @@ class FlexPolicy:
         "measured_tokens_per_s": {name(m, kk): round(r[2] / r[1], 2)
                                   for (m, kk), r in self.realized.get(B, {}).items()
                                   if r[1] > 0},
-        "cost_scale": {m: round(self.cost_scale(B, m), 3) for m in ("ar",) + self.modes},
+        "cost_scale": {**{m: round(self.cost_scale(B, m), 3) for m in ("ar",) + self.modes},
+                       **{name(m, kk): round(self.cost_scale(B, m, kk), 3)
+                          for m, kk in self.realized.get(B, {}) if m != "ar"}},
         "probe": self.probing,
         "next_probe_after_ar_steps": (self.probe_at - self.ar_since_probe
                                       if self.explore_ar and best[0] == "ar" else None)}
@@ -317,17 +328,18 @@ class FlexPolicy:
     """AR steps since the last probe before probing `best` again: `ar_stretch`,
     or more where PROBE_STEPS steps of `best` that gain nothing over AR would
     cost more than PROBE_BUDGET of them."""
-    ratio = (self._cost(*best) * self.cost_scale(B, best[0])
+    ratio = (self._cost(*best) * self.cost_scale(B, *best)
              / (self.costs["ar"] * self.cost_scale(B, "ar")))
     loss = PROBE_STEPS * max(ratio - 1.0, 0.0)  # AR steps
     return max(self.ar_stretch, int(np.ceil(loss / PROBE_BUDGET)))
 
   def _see_confidence(self, state):
-    """Adds the live rows' mean draft confidence per slot to the decayed mean."""
+    """Adds the live rows' mean survival of the drafts' confidence, P(slots
+    1..i all accepted) ≈ Π_{j≤i} conf_j per row, to the decayed mean."""
     conf = np.asarray(state.conf_BxD, np.float64)
     live = ~np.asarray(state.done_B)
-    c = conf[live].mean(0) if live.any() else conf.mean(0)
-    self.conf_sum = ACCEPT_DECAY * self.conf_sum + np.concatenate([[1.0], c])
+    surv = np.cumprod(conf[live] if live.any() else conf, axis=1).mean(0)
+    self.conf_sum = ACCEPT_DECAY * self.conf_sum + np.concatenate([[1.0], surv])
     self.conf_n = ACCEPT_DECAY * self.conf_n + 1.0
 
   def predicted_rates(self, state, B: int = 0) -> dict:
@@ -336,9 +348,9 @@ class FlexPolicy:
     tau = self.tau_by_length(state)
     rates = {("ar", 0): 1.0 / (self.costs["ar"] * self.cost_scale(B, "ar"))}
     for mode in self.modes:
-      scale = self.cost_scale(B, mode)
       for k in self.buckets:
-        rates[(mode, k)] = self.row_tau(state, tau[k]) / (self.costs[mode][str(k)] * scale)
+        rates[(mode, k)] = self.row_tau(state, tau[k]) / (self.costs[mode][str(k)]
+                                                          * self.cost_scale(B, mode, k))
     return rates
 
   def tau_by_length(self, state) -> dict:
@@ -348,11 +360,21 @@ class FlexPolicy:
     (the only estimate for slots never verified)."""
     if self.conf_n == 0:
       self._see_confidence(state)
-    c = self.conf_sum / self.conf_n
-    scale, v = 1.0, self.verified[1:]
+    # The confidence's acceptance rate of slot i given slots < i were accepted:
+    # the ratio of the mean survivals (a draft after confident ones is itself
+    # more often confident, so the mean confidence per slot runs low here).
+    surv = self.conf_sum / self.conf_n
+    c = surv / np.maximum(np.concatenate([[1.0], surv[:-1]]), 1e-9)
+    # How well confidence has predicted acceptance: fitted on slots 2.. once
+    # they have PRIOR_WEIGHT verifications — the prior matters most for them,
+    # and slot 1, verified most, runs more overconfident than the rest (the
+    # shipped SmolLM2 drafter: 0.72 vs 0.55 accepted; slots 2-7 within ±0.07
+    # given the slots before them were accepted) — else on every slot.
+    scale, first = 1.0, 2 if self.verified[2:].sum() >= PRIOR_WEIGHT else 1
+    v = self.verified[first:]
     if v.sum() >= PRIOR_WEIGHT:
-      want = float((v * c[1:]).sum())
-      scale = float(np.clip(self.accepted[1:].sum() / max(want, 1e-9), 0.25, 4.0))
+      want = float((v * c[first:]).sum())
+      scale = float(np.clip(self.accepted[first:].sum() / max(want, 1e-9), 0.25, 4.0))
     prior = np.clip(scale * c, 0.0, 1.0)
     r = (self.accepted + PRIOR_WEIGHT * prior) / (self.verified + PRIOR_WEIGHT)
     survive = np.cumprod(r[1:])  # P(slots 1..i all accepted)
