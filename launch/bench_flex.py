@@ -63,31 +63,31 @@ def main(argv):
         "| outputs equal |", flush=True)
   print("|---|---|---|---|---|---|---|---|", flush=True)
   for b in sizes:
-    batches = [[benchmarks.render(target.tokenizer, benchmarks.messages_for_turn(p, []), kw)
-                for p in rows[j * b:(j + 1) * b]] for j in range(FLAGS.batches)]
+    ids = [benchmarks.render(target.tokenizer, benchmarks.messages_for_turn(p, []), kw)
+           for p in rows[:b * FLAGS.batches]]
     opts = {"ar": dict(mode="ar"),
             "flex": dict(mode="flex", drafter=drafter, threshold=FLAGS.threshold),
             **fixed}
     tps = {m: [] for m in opts}
     last = {}
     for i in range(FLAGS.repeats + 1):
-      for m, o in opts.items():
-        last[m] = [fd.generate(target, ids, max_new_tokens=FLAGS.max_new_tokens, stop=[], **o)
-                   for ids in batches]
+      for m, o in opts.items():  # generate decodes the prompts b at a time
+        res = fd.generate(target, ids, max_new_tokens=FLAGS.max_new_tokens, stop=[],
+                          batch_size=b, **o)
         if i:  # the first call of each mode compiles
-          tps[m].append(sum(r.stats["decode_tokens"] for r in last[m])
-                        / sum(r.stats["decode_seconds"] for r in last[m]))
+          tps[m].append(res.stats["tokens_per_second"])
+        last[m] = res
     med = {m: statistics.median(v) for m, v in tps.items()}
-    steps = _run_lengths(r.stats["mode_steps"] for r in last["flex"])
-    ks = _run_lengths(r.stats["group_counts"] for r in last["flex"])
-    equal = all(x.token_ids == y.token_ids for m in opts for x, y in zip(last[m], last["ar"]))
+    steps = _run_lengths(last["flex"].stats["mode_steps"])
+    ks = _run_lengths(last["flex"].stats["group_counts"])
+    equal = all(last[m].token_ids == last["ar"].token_ids for m in opts)
     best = max(fixed, key=med.get) if fixed else None
     results.append({"batch_size": b, "batches": FLAGS.batches, "tokens_per_second": tps,
                     "median": med, "flex_over_ar": med["flex"] / med["ar"],
                     "flex_mode_steps": steps, "flex_verify_lengths": ks, "best_fixed": best,
-                    "tau": {m: _tau(last[m]) for m in opts},
-                    "step_costs": last["flex"][-1].stats.get("step_costs"),
-                    "flex_choices": [r.stats.get("flex_choices") for r in last["flex"]],
+                    "tau": {m: last[m].stats["tau"] for m in opts},
+                    "step_costs": last["flex"].stats.get("step_costs"),
+                    "flex_choices": last["flex"].stats.get("flex_choices"),
                     "outputs_equal": equal})
     best_cols = (f"{best}, {med[best]:.1f} | {med['flex'] / med[best]:.2f}" if best
                  else "- | -")
@@ -103,19 +103,13 @@ def main(argv):
   return 0 if all(r["outputs_equal"] for r in results) else 1
 
 
-def _run_lengths(logs) -> list:
-  """[key, steps] totals over several runs' run-length logs, in first-seen order."""
+def _run_lengths(log) -> list:
+  """A run-length log of [key, steps] (several batches' logs one after another)
+  as the total steps of each key, in first-seen order."""
   total = {}
-  for log in logs:
-    for key, n in log:
-      total[key] = total.get(key, 0) + n
+  for key, n in log:
+    total[key] = total.get(key, 0) + n
   return [[key, n] for key, n in total.items()]
-
-
-def _tau(results) -> float:
-  """Tokens committed per row-step over several runs (the engine's τ)."""
-  return (sum(r.stats["committed_tokens"] for r in results)
-          / max(sum(r.stats["verified_row_steps"] for r in results), 1))
 
 
 if __name__ == "__main__":
