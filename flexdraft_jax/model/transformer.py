@@ -31,6 +31,7 @@ from typing import NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 
+from flexdraft_jax.kernels import cpu_matmul
 from flexdraft_jax.model import attention
 from flexdraft_jax.model.config import ModelConfig
 
@@ -150,9 +151,13 @@ def greedy_tokens(params, cfg: ModelConfig, h_BxTxH):
   once), which XLA:CPU runs ~1.5x faster than the `[B*T, V]` product for
   2-32 rows (the verify block at small batch) and no slower for one row or
   many. Decoding uses it for every greedy token, so AR steps and verify
-  blocks take their argmax from the same computation."""
+  blocks take their argmax from the same computation (on a CPU, the tied head
+  through `kernels.cpu_matmul`, whose rows do not depend on B * T)."""
   B, T, H = h_BxTxH.shape
   x = rms_norm(h_BxTxH, params["final_norm"], cfg.rms_norm_eps).reshape(B * T, H)
+  if cfg.tie_embeddings and cpu_matmul.supports(params["embed"], x):
+    lg = cpu_matmul.matmul_t(params["embed"], x)
+    return jnp.argmax(lg, axis=-1).astype(jnp.int32).reshape(B, T)
   if cfg.tie_embeddings:
     lg = jnp.einsum("VH,NH->VN", params["embed"], x, preferred_element_type=jnp.float32)
   else:
@@ -184,10 +189,15 @@ def matmul_t(w_OxI, x_BxTxI, preferred_element_type=None):
   (both operands row-major, the long dimension outermost). The barriers keep
   XLA from folding the transposes back into the dot, which would undo it.
   Above 4 rows the product runs on a multiple of 8 (zero rows added, then
-  dropped): 5-7 rows took longer than 8 on the 2-core CPU."""
+  dropped): 5-7 rows took longer than 8 on the 2-core CPU.
+
+  On a CPU with fp32 weights it runs `kernels.cpu_matmul` instead (up to 8
+  rows for the price of one, identical rows whatever their number)."""
   B, T, I = x_BxTxI.shape
   N = B * T
   x_NxI = x_BxTxI.reshape(N, I)
+  if cpu_matmul.supports(w_OxI, x_NxI) and preferred_element_type in (None, jnp.float32):
+    return cpu_matmul.matmul_t(w_OxI, x_NxI).reshape(B, T, w_OxI.shape[0])
   pad = -N % 8 if N > 4 else 0
   if pad:
     x_NxI = jnp.pad(x_NxI, ((0, pad), (0, 0)))

@@ -1,0 +1,167 @@
+"""A small-row fp32 matmul for decoding on a CPU (`cpu/matmul_t.cc`, an XLA FFI
+custom call).
+
+`matmul_t(w_OxI, x_NxI)` is `x @ w.T`. XLA:CPU runs the 2-16 rows of a verify
+or mask block through a GEMM that takes about twice one row's time although
+both stream the same weights; the kernel reads each weight row once per 8
+input rows, and sums every output element in one fixed order whatever the
+number of rows, so an AR step and a verify block compute identical rows.
+
+The C++ source is compiled once per machine with the system's C++ compiler
+(`c++`, or `$CXX`) against jaxlib's FFI headers, into
+`$FLEXDRAFT_KERNEL_CACHE` (default `$XDG_CACHE_HOME/flexdraft_jax/kernels`,
+`~/.cache` without it), keyed by the source, jaxlib's version and the CPU's
+flags; `launch/setup.sh` builds it at install. Where it cannot be built (no
+compiler) decoding keeps XLA's dot and says so once. `FLEXDRAFT_CPU_MATMUL=0`
+turns it off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+
+import jax
+import jax.numpy as jnp
+
+_SOURCE = os.path.join(os.path.dirname(__file__), "cpu", "matmul_t.cc")
+_TARGET = "flexdraft_matmul_t"
+_LOADED = []  # the registered library (kept loaded)
+
+log = logging.getLogger(__name__)
+
+
+def enabled_by_env() -> bool:
+  return os.environ.get("FLEXDRAFT_CPU_MATMUL", "1") != "0"
+
+
+def cache_dir() -> str:
+  env = os.environ.get("FLEXDRAFT_KERNEL_CACHE")
+  if env:
+    return env
+  root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"),
+                                                           ".cache")
+  return os.path.join(root, "flexdraft_jax", "kernels")
+
+
+def _cpu_flags() -> str:
+  try:
+    with open("/proc/cpuinfo") as f:
+      for line in f:
+        if line.startswith(("flags", "Features")):
+          return line
+  except OSError:
+    pass
+  return platform.processor()
+
+
+def _key() -> str:
+  import jaxlib
+  h = hashlib.sha256()
+  with open(_SOURCE, "rb") as f:
+    h.update(f.read())
+  h.update(jaxlib.__version__.encode())
+  h.update(platform.machine().encode())
+  h.update(_cpu_flags().encode())
+  return h.hexdigest()[:16]
+
+
+def compile_command(out: str) -> list:
+  cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or "c++"
+  return [cxx, "-O3", "-march=native", "-ffp-contract=fast", "-std=c++17",
+          "-shared", "-fPIC", "-I", jax.ffi.include_dir(), _SOURCE, "-o", out]
+
+
+def build(verbose: bool = False) -> str:
+  """The compiled library's path, compiling it first if needed (raises
+  RuntimeError with the compiler's message when that fails)."""
+  path = os.path.join(cache_dir(), f"matmul_t-{_key()}.so")
+  if os.path.exists(path):
+    return path
+  try:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(path))
+  except OSError as e:  # an unwritable cache: build for this process only
+    log.warning("flexdraft_jax: cannot write the kernel cache %s (%s); building in "
+                "a temporary directory", os.path.dirname(path), e)
+    path = os.path.join(tempfile.mkdtemp(prefix="flexdraft_kernels_"), os.path.basename(path))
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(path))
+  os.close(fd)
+  cmd = compile_command(tmp)
+  if verbose:
+    print("flexdraft_jax: compiling the CPU matmul kernel:", " ".join(cmd))
+  try:
+    r = subprocess.run(cmd, capture_output=True, text=True)
+  except OSError as e:
+    os.unlink(tmp)
+    raise RuntimeError(f"cannot run the C++ compiler {cmd[0]}: {e}") from e
+  if r.returncode:
+    os.unlink(tmp)
+    raise RuntimeError(f"{cmd[0]} failed on {_SOURCE}: {r.stderr.strip()[-2000:]}")
+  os.replace(tmp, path)  # atomic: a concurrent build leaves one complete file
+  return path
+
+
+@functools.lru_cache(maxsize=None)
+def _register() -> bool:
+  try:
+    lib = ctypes.CDLL(build())
+  except (OSError, RuntimeError) as e:
+    log.warning("flexdraft_jax: the CPU matmul kernel is unavailable (%s); "
+                "decoding uses XLA's dot", str(e).splitlines()[0])
+    return False
+  if not _LOADED:  # XLA keeps one handler a name for the process
+    jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(lib.FlexdraftMatmulT),
+                                platform="cpu")
+    _LOADED.append(lib)
+  return True
+
+
+def available() -> bool:
+  """Whether `matmul_t` runs the kernel here (the default backend is a CPU,
+  the switch is on, and the library builds and loads)."""
+  return enabled_by_env() and jax.default_backend() == "cpu" and _register()
+
+
+def supports(w_OxI, x_NxI) -> bool:
+  return (w_OxI.dtype == jnp.float32 and x_NxI.dtype == jnp.float32
+          and w_OxI.ndim == 2 and x_NxI.ndim == 2 and available())
+
+
+def _call(w_OxI, x_NxI):
+  if not _register():
+    raise RuntimeError("the CPU matmul kernel is unavailable (see the warning above)")
+  out = jax.ShapeDtypeStruct((x_NxI.shape[0], w_OxI.shape[0]), jnp.float32)
+  return jax.ffi.ffi_call(_TARGET, out, vmap_method="sequential")(x_NxI, w_OxI)
+
+
+@jax.custom_vjp
+def matmul_t(w_OxI, x_NxI):
+  """`x @ w.T` `[N, O]`, fp32 (check `supports` first)."""
+  return _call(w_OxI, x_NxI)
+
+
+def _fwd(w_OxI, x_NxI):
+  return _call(w_OxI, x_NxI), (w_OxI, x_NxI)
+
+
+def _bwd(res, g_NxO):
+  w_OxI, x_NxI = res
+  return g_NxO.T @ x_NxI, g_NxO @ w_OxI
+
+
+matmul_t.defvjp(_fwd, _bwd)
+
+
+if __name__ == "__main__":
+  try:
+    print("flexdraft_jax: CPU matmul kernel at", build(verbose=True))
+  except RuntimeError as e:
+    raise SystemExit(f"flexdraft_jax: cannot build the CPU matmul kernel: {e}")

@@ -1,0 +1,95 @@
+"""The CPU decode matmul kernel (flexdraft_jax/kernels/cpu_matmul.py)."""
+
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from flexdraft_jax.kernels import cpu_matmul
+from flexdraft_jax.model import transformer
+
+needs_kernel = pytest.mark.skipif(
+    not cpu_matmul.available(),
+    reason="the CPU matmul kernel does not build here (no C++ compiler, or not a CPU)")
+
+
+def _rand(shape, seed):
+  return jnp.asarray(np.random.default_rng(seed).standard_normal(shape), jnp.float32)
+
+
+@needs_kernel
+@pytest.mark.parametrize("O,I", [(64, 48), (33, 35), (1, 16), (130, 7)])
+@pytest.mark.parametrize("N", [1, 3, 8, 9, 17])
+def test_kernel_matches_a_float64_product(O, I, N):
+  """Odd output counts (a lone last weight row), inputs with a tail past the
+  16-lane vectors and more rows than one pass takes (8)."""
+  w, x = _rand((O, I), 0), _rand((N, I), 1)
+  y = np.asarray(jax.jit(cpu_matmul.matmul_t)(w, x))
+  ref = np.asarray(x, np.float64) @ np.asarray(w, np.float64).T
+  assert y.shape == (N, O)
+  np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-5 * np.sqrt(I))
+
+
+@needs_kernel
+def test_kernel_rows_do_not_depend_on_how_many_rows_come_with_them():
+  """Row n of an N-row product is bit-identical to the same row alone: an AR
+  step and a verify block compute the same numbers."""
+  w, x = _rand((96, 200), 2), _rand((17, 200), 3)
+  f = jax.jit(cpu_matmul.matmul_t)
+  full = np.asarray(f(w, x))
+  for n in (0, 7, 8, 16):
+    np.testing.assert_array_equal(full[n], np.asarray(f(w, x[n:n + 1]))[0])
+  np.testing.assert_array_equal(full[3:11], np.asarray(f(w, x[3:11])))
+
+
+@needs_kernel
+def test_transformer_matmul_t_runs_the_kernel_and_the_switch_turns_it_off(monkeypatch):
+  w, x = _rand((40, 24), 4), _rand((2, 3, 24), 5)
+  hlo = jax.jit(transformer.matmul_t).lower(w, x).as_text()
+  assert cpu_matmul._TARGET in hlo
+  monkeypatch.setenv("FLEXDRAFT_CPU_MATMUL", "0")
+  # a new function: jit's trace cache would replay the first trace
+  hlo_off = jax.jit(lambda w, x: transformer.matmul_t(w, x)).lower(w, x).as_text()
+  assert cpu_matmul._TARGET not in hlo_off
+  np.testing.assert_allclose(jax.jit(transformer.matmul_t)(w, x),
+                             jnp.einsum("BTI,OI->BTO", x, w), rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+def test_kernel_has_the_product_gradient():
+  w, x = _rand((12, 20), 6), _rand((5, 20), 7)
+  loss = lambda f: (lambda w, x: jnp.sum(jnp.sin(f(w, x))))
+  g = jax.grad(loss(cpu_matmul.matmul_t), argnums=(0, 1))(w, x)
+  g_ref = jax.grad(loss(lambda w, x: x @ w.T), argnums=(0, 1))(w, x)
+  for a, b in zip(g, g_ref):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_no_compiler_warns_once_and_decoding_keeps_xla_dot(monkeypatch, tmp_path, caplog):
+  monkeypatch.setenv("FLEXDRAFT_KERNEL_CACHE", str(tmp_path / "kernels"))
+  monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+  cpu_matmul._register.cache_clear()
+  try:
+    with caplog.at_level(logging.WARNING):
+      assert not cpu_matmul.available()
+      assert not cpu_matmul.available()
+    warnings = [r for r in caplog.records if "unavailable" in r.getMessage()]
+    assert len(warnings) == 1 and "no-such-compiler" in warnings[0].getMessage()
+    w, x = _rand((8, 16), 8), _rand((1, 2, 16), 9)
+    hlo = jax.jit(lambda w, x: transformer.matmul_t(w, x)).lower(w, x).as_text()
+    assert cpu_matmul._TARGET not in hlo
+    assert not list((tmp_path / "kernels").glob("*"))  # no half-written library left
+  finally:
+    cpu_matmul._register.cache_clear()
+
+
+def test_an_unwritable_cache_builds_in_a_temporary_directory(monkeypatch, tmp_path):
+  if cpu_matmul.shutil.which("c++") is None and cpu_matmul.shutil.which("g++") is None:
+    pytest.skip("no C++ compiler on this machine")
+  blocked = tmp_path / "file"
+  blocked.write_text("not a directory")
+  monkeypatch.setenv("FLEXDRAFT_KERNEL_CACHE", str(blocked / "kernels"))
+  path = cpu_matmul.build()
+  assert not path.startswith(str(blocked)) and path.endswith(".so")
