@@ -59,6 +59,9 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--verify-len", type=int,
                  help="verify at most K-1 drafts per step (K <= block size; flex picks "
                       "K itself up to this)")
+  p.add_argument("--draft-dtype", default="auto", choices=("auto", "bfloat16", "target"),
+                 help="the draft pass's matmul weights (auto: bfloat16 where the CPU "
+                      "kernel runs; outputs are the target's either way)")
   p.add_argument("--cost-cache", default="default",
                  help="flex's step-cost file ('' keeps the costs in memory only)")
   p.add_argument("--batch-size", type=int,
@@ -121,7 +124,7 @@ def main(argv) -> int:
             max_len=args.max_len, threshold=args.threshold, strategy=args.strategy,
             flex_threshold=flex_threshold, attn_impl=args.attn_impl,
             block_size=args.block_size, draft_sampling=args.draft_sampling,
-            verify_len=args.verify_len, stop=args.stop)
+            verify_len=args.verify_len, stop=args.stop, draft_dtype=args.draft_dtype)
   # Every check that needs no model runs before the (slow) model load.
   from flexdraft_jax.decoding import engine
   try:
@@ -140,7 +143,8 @@ def main(argv) -> int:
   for line in engine.ignored_options(
       mode=args.mode, temperature=args.temperature, draft_sampling=args.draft_sampling,
       block_size=args.block_size, verify_len=args.verify_len, threshold=args.threshold,
-      flex_threshold=flex_threshold, drafter=args.drafter, spell=_flag):
+      flex_threshold=flex_threshold, drafter=args.drafter, draft_dtype=args.draft_dtype,
+      spell=_flag):
     print(f"warning: {line}", file=sys.stderr)
   import flexdraft_jax as fd  # heavy imports after argument checks
 

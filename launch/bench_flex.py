@@ -16,8 +16,10 @@ call of each, and each mode's tokens/s is the median (and best) of `--repeats`
 decode-only timings (the engine's `decode_seconds`). Flex runs with `B* = auto`:
 its measured step costs (cached per target/hardware/batch shape), the steps it
 ran in each mode and verify length k, and both outputs' equality are reported
-too. `--fixed=MODE:K,…` times fixed (mode, verify length) settings in the same
-rotation, so flex can be compared with the best of them.
+too. `--fixed=MODE:K[:DRAFT_DTYPE],…` times fixed (mode, verify length)
+settings in the same rotation, so flex can be compared with the best of them;
+`--draft_dtypes=auto,target` times flex with each draft dtype (generate's
+`draft_dtype`; the first is "flex", the others "flex:DTYPE").
 """
 
 from __future__ import annotations
@@ -36,7 +38,9 @@ flags.DEFINE_integer("batches", 1, "batches per batch size B: the first batches 
                      "questions, B at a time; tokens/s and τ over all of them")
 flags.DEFINE_string("drafter", "flexdraft_jax/drafters/smollm2_135m_L8", "drafter directory")
 flags.DEFINE_float("threshold", 0.0, "selective verification θ of flex's steps")
-flags.DEFINE_list("fixed", [], "fixed MODE:K settings to time as well (e.g. sequential:5)")
+flags.DEFINE_list("fixed", [], "fixed MODE:K[:DRAFT_DTYPE] settings to time as well "
+                  "(e.g. sequential:5, sequential:8:target)")
+flags.DEFINE_list("draft_dtypes", ["auto"], "flex's draft dtypes (generate's draft_dtype)")
 flags.DEFINE_string("data_dir", "", "benchmark files (default: ../shared/data or $FLEXDRAFT_DATA)")
 flags.DEFINE_string("out", "", "write the results as JSON here")
 FLAGS = flags.FLAGS
@@ -56,8 +60,12 @@ def main(argv):
   results = []
   fixed = {}
   for spec in FLAGS.fixed:
-    mode, k = spec.split(":")
-    fixed[spec] = dict(mode=mode, drafter=drafter, verify_len=int(k))
+    mode, k, *dtype = spec.split(":")
+    fixed[spec] = dict(mode=mode, drafter=drafter, verify_len=int(k),
+                       draft_dtype=dtype[0] if dtype else FLAGS.draft_dtypes[0])
+  flexes = {("flex" if i == 0 else f"flex:{d}"): dict(
+      mode="flex", drafter=drafter, threshold=FLAGS.threshold, draft_dtype=d)
+            for i, d in enumerate(FLAGS.draft_dtypes)}
   print("| batch | AR tok/s (median, best) | flex tok/s (median, best) | flex / AR "
         "(median) | best fixed (mode:k, tok/s) | flex / best fixed | flex steps (k) "
         "| outputs equal |", flush=True)
@@ -65,9 +73,7 @@ def main(argv):
   for b in sizes:
     ids = [benchmarks.render(target.tokenizer, benchmarks.messages_for_turn(p, []), kw)
            for p in rows[:b * FLAGS.batches]]
-    opts = {"ar": dict(mode="ar"),
-            "flex": dict(mode="flex", drafter=drafter, threshold=FLAGS.threshold),
-            **fixed}
+    opts = {"ar": dict(mode="ar"), **flexes, **fixed}
     tps = {m: [] for m in opts}
     last = {}
     for i in range(FLAGS.repeats + 1):
@@ -96,6 +102,8 @@ def main(argv):
           f"{' '.join(f'{m}×{n}' for m, n in steps)} "
           f"({' '.join(f'{k}×{n}' for k, n in ks)}) | {'yes' if equal else 'NO'} |",
           flush=True)
+    for m in opts:  # every setting's median and τ, for the A/Bs the table leaves out
+      print(f"  {m}: {med[m]:.1f} tok/s, τ {last[m].stats['tau']:.3f}", flush=True)
   if FLAGS.out:
     with open(FLAGS.out, "w") as f:
       json.dump({"max_new_tokens": FLAGS.max_new_tokens, "repeats": FLAGS.repeats,

@@ -3,13 +3,15 @@
 `first_chunk(target, drafter, prompts)` decodes `prompts` (sequential mode,
 the chat template, stops off) and returns the first jitted chunk's arguments —
 `(target_params, draft_params, state)`, copied before the chunk donates them,
-in the layout decoding uses — and its keyword arguments.
+in the layout decoding uses (`draft_dtype` as `generate` takes it) — and its
+keyword arguments.
 """
 
 from __future__ import annotations
 
 
-def first_chunk(target, drafter, prompts, max_new_tokens: int = 128) -> tuple:
+def first_chunk(target, drafter, prompts, max_new_tokens: int = 128,
+                draft_dtype: str = "auto") -> tuple:
   import jax
   import jax.numpy as jnp
 
@@ -26,7 +28,8 @@ def first_chunk(target, drafter, prompts, max_new_tokens: int = 128) -> tuple:
   chunk.run_chunk = capture
   try:
     fd.generate(target, prompts, max_new_tokens=max_new_tokens, drafter=drafter,
-                mode="sequential", verify_len=2, stop=[], chat=True)
+                mode="sequential", verify_len=2, stop=[], chat=True,
+                draft_dtype=draft_dtype)
   finally:
     chunk.run_chunk = real
   return first["args"], first["kw"]

@@ -32,6 +32,8 @@ from launch import decode_state
 flags.DEFINE_integer("batch", 1, "rows per step")
 flags.DEFINE_list("ks", ["1", "2", "4", "8"], "verify lengths to time")
 flags.DEFINE_integer("reps", 20, "timed calls per part (mean reported)")
+flags.DEFINE_enum("draft_dtype", "auto", ["auto", "bfloat16", "target"],
+                  "the draft pass's matmul weights (generate's draft_dtype)")
 flags.DEFINE_string("drafter", "flexdraft_jax/drafters/smollm2_135m_L8", "drafter directory")
 FLAGS = flags.FLAGS
 
@@ -56,7 +58,8 @@ def main(argv):
   ks = [int(k) for k in FLAGS.ks]
   # The decode state of a real run: the first chunk's arguments, copied before
   # the chunk consumes (donates) them.
-  (tp, dp, state), kw = decode_state.first_chunk(target, drafter, [PROMPT] * FLAGS.batch)
+  (tp, dp, state), kw = decode_state.first_chunk(target, drafter, [PROMPT] * FLAGS.batch,
+                                                draft_dtype=FLAGS.draft_dtype)
   real = chunk.run_chunk
   cfg, dcfg, sp = kw["cfg"], kw["dcfg"], kw["sp"]
 
@@ -84,7 +87,7 @@ def main(argv):
     return real(tp, dp, st, **dict(kw, mode=mode, num_groups=k, n_steps=jnp.int32(1))).bonus_B
 
   B = FLAGS.batch
-  out = {"batch": B, "cache_slots": int(jax.tree.leaves(state.cache)[0].shape[2])}
+  out = {"batch": B, "draft_dtype": FLAGS.draft_dtype, "cache_slots": int(jax.tree.leaves(state.cache)[0].shape[2])}
   out["body_k1"] = ms(functools.partial(forward, k=1, head=False), tp, state)
   for k in ks:
     out[f"forward_k{k}"] = ms(functools.partial(forward, k=k, head=True), tp, state)

@@ -104,6 +104,11 @@ CASES = [
         "batch_size must be an integer >= 1 (unset: all prompts in one batch), got 0"),
     api("`block_size=3` in mode `ar` (FlexDraftWarning)", dict(block_size=3),
         "block_size=3 has no effect in mode 'ar' (no drafts)", warning=True),
+    api("`draft_dtype=\"float16\"`", dict(draft_dtype="float16"),
+        "draft_dtype must be one of ('auto', 'bfloat16', 'target'), got 'float16'"),
+    api("`draft_dtype=\"bfloat16\"` in mode `ar` (FlexDraftWarning)",
+        dict(draft_dtype="bfloat16"),
+        "draft_dtype=bfloat16 has no effect in mode 'ar' (no drafts)", warning=True),
     api("`draft_sampling=True` at T=0 (FlexDraftWarning)", dict(draft_sampling=True),
         "draft_sampling has no effect at temperature 0 (greedy decoding drafts and keeps "
         "the argmax)", warning=True),

@@ -67,6 +67,60 @@ def test_kernel_has_the_product_gradient():
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
 
 
+def _bf16_reference(w_bf16, x):
+  """x rounded to bf16 times the bf16 weights, in float64."""
+  xr = np.asarray(jnp.asarray(x).astype(jnp.bfloat16).astype(jnp.float32), np.float64)
+  return xr @ np.asarray(w_bf16.astype(jnp.float32), np.float64).T
+
+
+@needs_kernel
+@pytest.mark.parametrize("O,I", [(64, 64), (33, 35), (1, 16), (130, 7), (40, 100)])
+@pytest.mark.parametrize("N", [1, 3, 8, 9])
+def test_bf16_kernel_is_the_product_of_bf16_rounded_inputs(O, I, N):
+  """bf16 weights: x rounded to bf16, exact pair products summed in fp32 (a
+  tail past the 32-value vectors, a lone last weight row, more than 8 rows)."""
+  w, x = _rand((O, I), 10).astype(jnp.bfloat16), _rand((N, I), 11)
+  y = np.asarray(jax.jit(cpu_matmul.matmul_t)(w, x))
+  assert y.dtype == np.float32 and y.shape == (N, O)
+  np.testing.assert_allclose(y, _bf16_reference(w, x), rtol=1e-5, atol=1e-5 * np.sqrt(I))
+  # not the fp32 product: x was rounded
+  assert not np.allclose(y, np.asarray(x, np.float64) @ np.asarray(
+      w.astype(jnp.float32), np.float64).T, rtol=1e-6, atol=1e-6)
+  full = np.asarray(jax.jit(cpu_matmul.matmul_t)(w, x))
+  np.testing.assert_array_equal(full[-1], np.asarray(cpu_matmul.matmul_t(w, x[-1:]))[0])
+
+
+@needs_kernel
+def test_bf16_kernel_without_the_dot_instruction_computes_the_same_product(tmp_path,
+                                                                           monkeypatch):
+  """The portable path (pairs widened to fp32; what a CPU without AVX512-BF16
+  runs), built apart with FLEXDRAFT_GENERIC_BF16 and called directly."""
+  import ctypes
+  monkeypatch.setenv("FLEXDRAFT_KERNEL_CACHE", str(tmp_path))
+  path = cpu_matmul.build(defines=("FLEXDRAFT_GENERIC_BF16",))
+  assert path != cpu_matmul.build()
+  lib = ctypes.CDLL(path)
+  jax.ffi.register_ffi_target("flexdraft_test_generic_bf16",
+                              jax.ffi.pycapsule(lib.FlexdraftMatmulTBf16), platform="cpu")
+  w, x = _rand((70, 100), 12).astype(jnp.bfloat16), _rand((9, 100), 13)
+  out = jax.ShapeDtypeStruct((9, 70), jnp.float32)
+  y = jax.ffi.ffi_call("flexdraft_test_generic_bf16", out, vmap_method="sequential")(x, w)
+  np.testing.assert_allclose(y, _bf16_reference(w, x), rtol=1e-5, atol=1e-4)
+  np.testing.assert_allclose(y, cpu_matmul.matmul_t(w, x), rtol=1e-5, atol=1e-4)
+
+
+@needs_kernel
+def test_transformer_matmul_t_takes_the_bf16_kernel_for_bf16_weights():
+  w, x = _rand((40, 24), 14).astype(jnp.bfloat16), _rand((2, 3, 24), 15)
+  hlo = jax.jit(transformer.matmul_t).lower(w, x).as_text()
+  assert cpu_matmul._TARGET_BF16 in hlo
+  y = jax.jit(transformer.matmul_t)(w, x)
+  assert y.dtype == jnp.float32
+  np.testing.assert_allclose(np.asarray(y).reshape(6, 40),
+                             _bf16_reference(w, np.asarray(x).reshape(6, 24)),
+                             rtol=1e-5, atol=1e-5)
+
+
 def test_no_compiler_warns_once_and_decoding_keeps_xla_dot(monkeypatch, tmp_path, caplog):
   monkeypatch.setenv("FLEXDRAFT_KERNEL_CACHE", str(tmp_path / "kernels"))
   monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))

@@ -189,6 +189,7 @@ def test_group_buckets():
     (dict(mode="flex", flex_threshold="often"), "flex threshold"),
     (dict(max_len=4), "longer than the cache"),
     (dict(mode="parallel", block_size=32), "block size 32"),
+    (dict(mode="sequential", draft_dtype="float16"), "draft_dtype must be one of"),
 ])
 def test_bad_input_messages(target, kwargs, message):
   drafter = random_drafter(target, block_size=8)
@@ -319,6 +320,69 @@ def test_every_verify_length_equals_ar(target, mode):
     # every step verified a block of k positions: at most k tokens per step
     assert {g for g, _ in out.stats["group_counts"]} == {k}
     assert len(out.stats["accept_hist"]) == 9 and sum(out.stats["accept_hist"][k + 1:]) == 0
+
+
+@pytest.mark.parametrize("mode", ["sequential", "parallel", "flex"])
+def test_bf16_draft_pass_is_lossless_and_drafts_nearly_alike(target, mode):
+  """The draft pass reading bf16 weights (`draft_dtype`) changes drafts at
+  most slightly and outputs not at all."""
+  tgt = tiny_target(vocab=16, eos=0, scale=0.5, seed=4)
+  drafter = bigram_drafter(tgt, block_size=4)
+  prompts = [[t % 16 for t in p] for p in prompts_for(4, seed=3)]
+  ref = fd.generate(tgt, prompts, max_new_tokens=24, stop=[])
+  out = {}
+  for dtype in ("bfloat16", "target"):
+    out[dtype] = fd.generate(tgt, prompts, max_new_tokens=24, stop=[], drafter=drafter,
+                             mode=mode, draft_dtype=dtype,
+                             **(dict(flex_threshold=1) if mode == "flex" else {}))
+    assert_lossless(tgt, prompts, ref.token_ids, out[dtype].token_ids)
+    assert out[dtype].stats["draft_dtype"] == dtype
+  assert out["target"].stats["tau"] > 1.2  # drafts that get accepted ...
+  # ... and, in bf16, accepted about as often
+  assert abs(out["bfloat16"].stats["tau"] - out["target"].stats["tau"]) < 0.1
+
+
+def test_narrowed_draft_params_and_the_default_where_the_kernel_runs(target, monkeypatch):
+  from flexdraft_jax.drafter.model import narrowed_dtype
+  from flexdraft_jax.kernels import cpu_matmul
+  from flexdraft_jax.decoding import state as state_lib
+  cfg = target.config
+  drafter = random_drafter(target, block_size=4, noise=0.5)
+  full = engine._draft_decoding_params(target.params, cfg, drafter.params)
+  bf16 = engine._draft_decoding_params(target.params, cfg, drafter.params, jnp.bfloat16)
+  assert engine._draft_decoding_params(target.params, cfg, drafter.params,
+                                       jnp.bfloat16) is bf16  # made once
+  assert narrowed_dtype(full) == "" and narrowed_dtype(bf16) == "bfloat16"
+  L, n = drafter.config.num_layers, cfg.num_layers
+  assert len(bf16["deep_mlp"]) == L
+  for key in ("gate", "up", "down"):  # the deep layers' MLP, [out, in], bf16
+    np.testing.assert_array_equal(
+        bf16["deep_mlp"][0][key + "_t"],
+        transformer.layer_leaf(target.params, key, n - L).T.astype(jnp.bfloat16))
+  assert bf16["layers"][0]["q_t"].dtype == jnp.bfloat16
+  assert bf16["calib"]["w1_t"].dtype == jnp.bfloat16 and bf16["calib"]["b1"].dtype == jnp.float32
+  assert target.params["embed"].dtype == jnp.float32  # the target's own stay as they are
+  # the draft pass: hidden states within bf16's precision of the full one
+  B, S = 2, 128
+  cache = transformer.KVCache.zeros(cfg, B, S, jnp.float32)
+  prompt = jnp.asarray([[5, 9, 12, 7], [3, 4, 8, 1]])
+  _, _, cache = transformer.forward(target.params, cfg, cache, prompt,
+                                    jnp.broadcast_to(jnp.arange(4), (B, 4)))
+  per_layer = engine._decoding_params(target.params)
+  hm = {}
+  for name, dp in (("full", full), ("bf16", bf16)):
+    d = drafter._replace(params=dp)
+    hm[name] = np.asarray(state_lib.deep_pass(per_layer, cfg, d, cache, jnp.asarray([4, 4]),
+                                              jnp.asarray([6, 2]), "xla"))
+  scale = np.abs(hm["full"]).max()
+  assert 0 < np.abs(hm["bf16"] - hm["full"]).max() < 0.05 * scale
+  # "auto": bf16 where the CPU kernel runs an fp32 target, else the target's dtype
+  want = jnp.bfloat16 if cpu_matmul.available() else None
+  assert engine.resolve_draft_dtype("auto", target.params) == want
+  assert engine.resolve_draft_dtype("target", target.params) is None
+  monkeypatch.setenv("FLEXDRAFT_CPU_MATMUL", "0")
+  assert engine.resolve_draft_dtype("auto", target.params) is None
+  assert engine.resolve_draft_dtype("bfloat16", target.params) == jnp.bfloat16
 
 
 def test_short_verify_length_keeps_accepting_the_same_drafts():
@@ -635,13 +699,18 @@ def test_flex_falls_back_to_ar_when_speculation_is_slower_than_timed(
     assert why["choice"] == ["ar", 0] and why["cost_scale"]["sequential"] > 100
 
 
-def test_step_cost_key_names_the_cost_model_version(monkeypatch):
+def test_step_cost_key_names_the_cost_model_version_and_the_draft_dtype(monkeypatch):
   # costs timed before a change to the decode step are not reused after it
   d = _driver()
   d.target = types.SimpleNamespace(fingerprint="fp")
   d.drafter.config.num_layers, d.drafter.config.draft_vocab = 4, 0
+  d.drafter.params = {}
   now = d.cost_key(1, 256)
   assert now == d.cost_key(1, 256) and now != d.cost_key(4, 256)
+  # a draft pass in bf16 costs less: its own entry
+  d.drafter.params = {"deep_mlp": [{"gate_t": jnp.zeros((2, 2), jnp.bfloat16)}]}
+  assert d.cost_key(1, 256) != now
+  d.drafter.params = {}
   monkeypatch.setattr(flex, "STEP_COST_VERSION", flex.STEP_COST_VERSION - 1)
   assert d.cost_key(1, 256) != now
 

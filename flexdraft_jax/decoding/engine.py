@@ -19,13 +19,20 @@ from flexdraft_jax.decoding.chunk import SpecOptions, prefill_batch
 from flexdraft_jax.decoding.driver import Driver
 from flexdraft_jax.decoding.sampling import SamplingParams
 from flexdraft_jax.decoding.state import KV_BLOCK
-from flexdraft_jax.drafter.model import Drafter, draft_head
+from flexdraft_jax.drafter.model import (Drafter, draft_head, narrow_draft_params,
+                                         narrowed_dtype)
+from flexdraft_jax.kernels import cpu_matmul
 from flexdraft_jax.model import transformer
 from flexdraft_jax.model.config import FlexDraftError, FlexDraftWarning
 from flexdraft_jax.util import round_up
 
 MODES = ("ar", "parallel", "sequential", "flex")
 ATTN_IMPLS = ("xla", "pallas", "auto")
+# The draft pass's matmul weights: "bfloat16" (half the bytes; drafts may
+# differ slightly, outputs do not), "target" (the target's dtype, as loaded),
+# "auto" (bfloat16 where the CPU kernel runs it on an fp32 target, see
+# `resolve_draft_dtype`).
+DRAFT_DTYPES = ("auto", "bfloat16", "target")
 
 
 @dataclasses.dataclass
@@ -148,7 +155,7 @@ def check_options(*, max_new_tokens=128, temperature=0.0, top_k=None, top_p=None
                   mode="ar", batch_size=None, max_len=None, threshold=0.0,
                   strategy="cumulative_product", flex_threshold="auto", attn_impl="xla",
                   block_size=None, draft_sampling=False, verify_len=None,
-                  stop=None) -> tuple:
+                  stop=None, draft_dtype="auto") -> tuple:
   """Every check of `generate`'s options that needs no model (run before loading
   one); returns (SamplingParams, SpecOptions)."""
   if mode not in MODES:
@@ -162,6 +169,8 @@ def check_options(*, max_new_tokens=128, temperature=0.0, top_k=None, top_p=None
     _check_int("block_size", block_size, 2)
   if attn_impl not in ATTN_IMPLS:
     raise FlexDraftError(f"attn_impl must be one of {ATTN_IMPLS}, got {attn_impl!r}")
+  if draft_dtype not in DRAFT_DTYPES:
+    raise FlexDraftError(f"draft_dtype must be one of {DRAFT_DTYPES}, got {draft_dtype!r}")
   check_stop(stop)
   sp = SamplingParams(temperature, top_k, top_p, bool(draft_sampling))
   opts = SpecOptions(threshold, strategy, flex_threshold, verify_len=verify_len)
@@ -171,7 +180,7 @@ def check_options(*, max_new_tokens=128, temperature=0.0, top_k=None, top_p=None
 
 def ignored_options(*, mode="ar", temperature=0.0, draft_sampling=False, block_size=None,
                     verify_len=None, threshold=0.0, flex_threshold="auto",
-                    drafter=None, spell=lambda name: name) -> list:
+                    drafter=None, draft_dtype="auto", spell=lambda name: name) -> list:
   """One line per option given that has no effect with the others (they
   would otherwise be ignored silently). `spell` names an option (CLI flags)."""
   out = []
@@ -183,6 +192,9 @@ def ignored_options(*, mode="ar", temperature=0.0, draft_sampling=False, block_s
       out.append(f"{spell('threshold')}={threshold} has no effect in mode 'ar' (no drafts)")
     if drafter is not None:
       out.append(f"mode 'ar' does not use the drafter ({spell('drafter')})")
+    if draft_dtype != "auto":
+      out.append(f"{spell('draft_dtype')}={draft_dtype} has no effect in mode 'ar' "
+                 "(no drafts)")
   if mode != "flex" and flex_threshold != "auto":
     out.append(f"{spell('flex_threshold')} has no effect in mode {mode!r}")
   if draft_sampling and temperature == 0:
@@ -201,7 +213,7 @@ def generate(target, prompts: Sequence, *, max_new_tokens: int = 128,
              attn_impl: str = "xla", block_size: Optional[int] = None,
              draft_sampling: bool = False, calibrate: bool = True,
              steps_per_call: int = 16, verify_len: Optional[int] = None,
-             cost_cache="default") -> GenerateResult:
+             cost_cache="default", draft_dtype: str = "auto") -> GenerateResult:
   """Generates continuations of `prompts` (strings or id lists).
 
   Every mode's output is the target's (token-identical to `ar` at T=0).
@@ -210,6 +222,8 @@ def generate(target, prompts: Sequence, *, max_new_tokens: int = 128,
   `cost_cache`: where flex keeps measured step costs — a file path, None for
   memory only, "default" for `$FLEXDRAFT_COST_CACHE` or
   `$XDG_CACHE_HOME/flexdraft_jax/step_costs.json`.
+  `draft_dtype`: the draft pass's matmul weights, "auto" | "bfloat16" |
+  "target" (see `DRAFT_DTYPES`); verification always reads the target's own.
   Returns GenerateResult(token_ids, texts, stats).
   """
   sp, opts = check_options(
@@ -217,12 +231,13 @@ def generate(target, prompts: Sequence, *, max_new_tokens: int = 128,
       mode=mode, batch_size=batch_size, max_len=max_len, threshold=threshold,
       strategy=strategy, flex_threshold=flex_threshold, attn_impl=attn_impl,
       block_size=block_size, draft_sampling=draft_sampling, verify_len=verify_len,
-      stop=stop)
+      stop=stop, draft_dtype=draft_dtype)
   opts = dataclasses.replace(opts, cost_cache=cost_cache)
   for line in ignored_options(mode=mode, temperature=temperature,
                               draft_sampling=draft_sampling, block_size=block_size,
                               verify_len=verify_len, threshold=threshold,
-                              flex_threshold=flex_threshold, drafter=drafter):
+                              flex_threshold=flex_threshold, drafter=drafter,
+                              draft_dtype=draft_dtype):
     warnings.warn(line, FlexDraftWarning, stacklevel=2)
   if mode != "ar" and drafter is None:
     raise FlexDraftError(f"mode {mode!r} needs a drafter (--drafter PATH)")
@@ -244,11 +259,12 @@ def generate(target, prompts: Sequence, *, max_new_tokens: int = 128,
   stop_ids = _stop_ids(target, stop)
   batch_size = batch_size or len(ids)  # None: one batch
   results, stats_list = [None] * len(ids), []
+  narrow = resolve_draft_dtype(draft_dtype, target.params)
   for start in range(0, len(ids), batch_size):
     chunk = ids[start:start + batch_size]
     toks, st = _generate_batch(target, chunk, max_new_tokens, sp, seed + start,
                                drafter if mode != "ar" else None, mode, opts,
-                               stop_ids, max_len, attn_impl, steps_per_call)
+                               stop_ids, max_len, attn_impl, steps_per_call, narrow)
     results[start:start + len(chunk)] = toks
     stats_list.append(st)
   texts = [target.tokenizer.decode(t) for t in results]
@@ -272,15 +288,39 @@ _unstacked = collections.OrderedDict()
 _UNSTACKED_MAX = 4
 
 
-def _draft_decoding_params(target_params, cfg, draft_params):
+def resolve_draft_dtype(draft_dtype: str, target_params):
+  """The dtype the draft pass reads its matmul weights in, or None for the
+  weights' own. "auto": bf16 where the CPU kernel runs and the target is fp32
+  (SmolLM2-135M's L = 8 draft pass at batch 1 on the 2-core CPU: 8.7 -> 6.0
+  ms); elsewhere the weights' own dtype."""
+  if draft_dtype == "bfloat16":
+    return jnp.bfloat16
+  if draft_dtype == "target":
+    return None
+  fp32 = target_params["embed"].dtype == jnp.float32
+  return jnp.bfloat16 if fp32 and cpu_matmul.available() else None
+
+
+# (trees, dtype) -> narrowed draft pytree, the most recent few
+_narrowed = collections.OrderedDict()
+
+
+def _draft_decoding_params(target_params, cfg, draft_params, dtype=None):
   """The draft pytree for decoding: per-layer (matmul weights `[out, in]`, see
   `transformer.decode_layer`), the calibration's too, and with a draft
   vocabulary its draft head (those rows of the LM head) gathered once here,
-  not every step."""
-  params = _decoding_params(draft_params, _draft_layout)
-  if "vocab" in params:
-    params = dict(params, head=draft_head(target_params, cfg, params))
-  return params
+  not every step. With `dtype` the draft pass reads its weights narrowed
+  (`narrow_draft_params`), a copy cached per (target, drafter) pair."""
+  def make():
+    params = _decoding_params(draft_params, _draft_layout)
+    if "vocab" in params:
+      params = dict(params, head=draft_head(target_params, cfg, params))
+    return params if dtype is None else narrow_draft_params(target_params, cfg, params,
+                                                            dtype)
+  if dtype is None:
+    return make()
+  key = (id(target_params), id(draft_params), str(jnp.dtype(dtype)))
+  return _cached(_narrowed, key, (target_params, draft_params), make)
 
 
 def _draft_layout(draft_params):
@@ -298,13 +338,19 @@ def _decoding_params(tree, convert=transformer.unstack_layers):
   per-layer copy (`convert`), cached per pytree object."""
   if transformer.is_per_layer(tree):
     return tree
-  hit = _unstacked.get(id(tree))
-  if hit is None or hit[0] is not tree:
-    hit = (tree, convert(tree))
-    _unstacked[id(tree)] = hit
-  _unstacked.move_to_end(id(tree))
-  while len(_unstacked) > _UNSTACKED_MAX:
-    _unstacked.popitem(last=False)
+  return _cached(_unstacked, id(tree), (tree,), lambda: convert(tree))
+
+
+def _cached(cache, key, trees: tuple, make):
+  """`make()`, cached in `cache` under `key` while `trees` (what it was made
+  from, matched by identity) live; the `_UNSTACKED_MAX` most recent entries."""
+  hit = cache.get(key)
+  if hit is None or any(a is not b for a, b in zip(hit[0], trees)):
+    hit = (trees, make())
+    cache[key] = hit
+  cache.move_to_end(key)
+  while len(cache) > _UNSTACKED_MAX:
+    cache.popitem(last=False)
   return hit[1]
 
 
@@ -324,7 +370,7 @@ def _capacity(cfg, plens, max_new, bs, max_len):
 
 
 def _generate_batch(target, ids, max_new, sp, seed, drafter, mode, opts,
-                    stop_ids, max_len, attn_impl, steps_per_call):
+                    stop_ids, max_len, attn_impl, steps_per_call, draft_dtype=None):
   cfg = target.config
   mesh = sharding.batch_mesh()
   B, Bp = len(ids), sharding.padded_batch(len(ids), mesh)
@@ -338,7 +384,7 @@ def _generate_batch(target, ids, max_new, sp, seed, drafter, mode, opts,
       mesh, prompt, np.asarray(plens, np.int32), np.arange(Bp) < B)
   dcfg = None if drafter is None else drafter.config
   dparams = None if drafter is None else sharding.replicate(
-      mesh, _draft_decoding_params(target.params, cfg, drafter.params))
+      mesh, _draft_decoding_params(target.params, cfg, drafter.params, draft_dtype))
   target = target._replace(
       params=sharding.replicate(mesh, _decoding_params(target.params)))
   drafter = None if drafter is None else drafter._replace(params=dparams)
@@ -371,13 +417,14 @@ def _generate_batch(target, ids, max_new, sp, seed, drafter, mode, opts,
       "new_tokens": new_tokens, "decode_tokens": decode_tokens, "steps": steps,
       "committed_tokens": committed, "verified_row_steps": int(hist.sum()),
       "accept_hist": hist.tolist(), "batch_size": B,
+      "draft_dtype": (narrowed_dtype(dparams) or "target") if drafter is not None else None,
   }
   stats.update(driver.stats())
   return tokens, stats
 
 
 def _merge_stats(parts, mode):
-  s = {"mode": mode}
+  s = {"mode": mode, "draft_dtype": parts[0]["draft_dtype"]}
   for k in ("prefill_seconds", "decode_seconds", "compile_seconds", "flex_timing_seconds",
             "new_tokens", "decode_tokens", "steps", "committed_tokens",
             "verified_row_steps"):

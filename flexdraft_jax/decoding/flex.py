@@ -45,6 +45,7 @@ import warnings
 import jax
 import numpy as np
 
+from flexdraft_jax.drafter.model import narrowed_dtype
 from flexdraft_jax.kernels import cpu_matmul
 
 # Pseudo-row-steps of the confidence-based prior in each slot's acceptance
@@ -389,7 +390,8 @@ class FlexPolicy:
         f"v{STEP_COST_VERSION}", self.target.fingerprint, dev.platform, dev.device_kind,
         len(jax.devices()), jax.__version__, B, S, d.block_size, d.num_layers, d.draft_vocab,
         self.opts.theta > 0, self.buckets, self.modes,
-        "cpu_matmul" if cpu_matmul.available() else "dot")))
+        "cpu_matmul" if cpu_matmul.available() else "dot",
+        narrowed_dtype(self.drafter.params) or "draft_dtype=target")))
 
   def measure(self, state, B: int, S: int) -> dict:
     """Seconds per step at this batch shape: AR, and each speculative mode at

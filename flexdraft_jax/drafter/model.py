@@ -153,6 +153,40 @@ def draft_logits(target_params, cfg: ModelConfig, drafter: Drafter,
                                  drafter.params)
 
 
+# The decoding draft pytree's matmul weights (`[out, in]`, see
+# `transformer.decode_layer`) that `narrow_draft_params` may narrow.
+_NARROW_KEYS = tuple(k + "_t" for k in transformer.MATMUL_KEYS) + ("w1_t", "w2_t")
+
+
+def narrow_draft_params(target_params, cfg: ModelConfig, draft_params, dtype):
+  """A decoding draft pytree (per-layer, see `engine._draft_decoding_params`)
+  whose draft pass reads its matmul weights in `dtype` (bf16): the draft
+  attention, the calibration MLP, the draft head and `deep_mlp` — a copy of
+  the deep layers' MLP weights for the mask rows (`transformer.forward`).
+  Only drafts change (and only slightly); verification reads the target's own
+  weights, so decoding stays lossless."""
+  n, L = cfg.num_layers, len(draft_params["layers"])
+  narrow = lambda d: {k: (v.astype(dtype) if k in _NARROW_KEYS else v) for k, v in d.items()}
+  deep_mlp = [dict({k + "_t": transformer.layer_leaf(target_params, k, i).T.astype(dtype)
+                    for k in ("gate", "up", "down")},
+                   post_norm=transformer.layer_leaf(target_params, "post_norm", i))
+              for i in range(n - L, n)]
+  out = dict(draft_params, layers=[narrow(lp) for lp in draft_params["layers"]],
+             deep_mlp=deep_mlp)
+  if "calib" in out:
+    out["calib"] = narrow(out["calib"])
+  if "head" in out:
+    out["head"] = out["head"].astype(dtype)
+  return out
+
+
+def narrowed_dtype(draft_params) -> str:
+  """The dtype a decoding draft pytree's draft pass reads ("" when not narrowed)."""
+  if "deep_mlp" not in draft_params:
+    return ""
+  return str(draft_params["deep_mlp"][0]["gate_t"].dtype)
+
+
 def to_token_ids(draft_params, idx):
   """Draft-vocabulary indices -> the target's token ids."""
   if "vocab" not in draft_params:

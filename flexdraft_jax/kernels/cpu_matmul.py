@@ -6,6 +6,9 @@ or mask block through a GEMM that takes about twice one row's time although
 both stream the same weights; the kernel reads each weight row once per 8
 input rows, and sums every output element in one fixed order whatever the
 number of rows, so an AR step and a verify block compute identical rows.
+With bf16 weights (`w_OxI.dtype == bfloat16`: the draft pass, see
+`engine.draft_dtype`) it rounds x to bf16 and sums exact bf16 products in fp32
+— AVX512-BF16's dot instruction where the CPU has it — on half the bytes.
 
 The C++ source is compiled once per machine with the system's C++ compiler
 (`c++`, or `$CXX`) against jaxlib's FFI headers, into
@@ -33,6 +36,7 @@ import jax.numpy as jnp
 
 _SOURCE = os.path.join(os.path.dirname(__file__), "cpu", "matmul_t.cc")
 _TARGET = "flexdraft_matmul_t"
+_TARGET_BF16 = "flexdraft_matmul_t_bf16"
 _LOADED = []  # the registered library (kept loaded)
 
 log = logging.getLogger(__name__)
@@ -62,9 +66,10 @@ def _cpu_flags() -> str:
   return platform.processor()
 
 
-def _key() -> str:
+def _key(defines=()) -> str:
   import jaxlib
   h = hashlib.sha256()
+  h.update(" ".join(defines).encode())
   with open(_SOURCE, "rb") as f:
     h.update(f.read())
   h.update(jaxlib.__version__.encode())
@@ -73,16 +78,19 @@ def _key() -> str:
   return h.hexdigest()[:16]
 
 
-def compile_command(out: str) -> list:
+def compile_command(out: str, defines=()) -> list:
   cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or "c++"
   return [cxx, "-O3", "-march=native", "-ffp-contract=fast", "-std=c++17",
-          "-shared", "-fPIC", "-I", jax.ffi.include_dir(), _SOURCE, "-o", out]
+          "-shared", "-fPIC", *(f"-D{d}" for d in defines), "-I", jax.ffi.include_dir(),
+          _SOURCE, "-o", out]
 
 
-def build(verbose: bool = False) -> str:
+def build(verbose: bool = False, defines=()) -> str:
   """The compiled library's path, compiling it first if needed (raises
-  RuntimeError with the compiler's message when that fails)."""
-  path = os.path.join(cache_dir(), f"matmul_t-{_key()}.so")
+  RuntimeError with the compiler's message when that fails). `defines`:
+  preprocessor macros (tests build the portable bf16 path with
+  FLEXDRAFT_GENERIC_BF16)."""
+  path = os.path.join(cache_dir(), f"matmul_t-{_key(defines)}.so")
   if os.path.exists(path):
     return path
   try:
@@ -94,7 +102,7 @@ def build(verbose: bool = False) -> str:
     path = os.path.join(tempfile.mkdtemp(prefix="flexdraft_kernels_"), os.path.basename(path))
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(path))
   os.close(fd)
-  cmd = compile_command(tmp)
+  cmd = compile_command(tmp, defines)
   if verbose:
     print("flexdraft_jax: compiling the CPU matmul kernel:", " ".join(cmd))
   try:
@@ -120,6 +128,8 @@ def _register() -> bool:
   if not _LOADED:  # XLA keeps one handler a name for the process
     jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(lib.FlexdraftMatmulT),
                                 platform="cpu")
+    jax.ffi.register_ffi_target(_TARGET_BF16, jax.ffi.pycapsule(lib.FlexdraftMatmulTBf16),
+                                platform="cpu")
     _LOADED.append(lib)
   return True
 
@@ -131,7 +141,8 @@ def available() -> bool:
 
 
 def supports(w_OxI, x_NxI) -> bool:
-  return (w_OxI.dtype == jnp.float32 and x_NxI.dtype == jnp.float32
+  """fp32 x against fp32 or bf16 weights, both 2-D, where the kernel runs."""
+  return (w_OxI.dtype in (jnp.float32, jnp.bfloat16) and x_NxI.dtype == jnp.float32
           and w_OxI.ndim == 2 and x_NxI.ndim == 2 and available())
 
 
@@ -139,12 +150,13 @@ def _call(w_OxI, x_NxI):
   if not _register():
     raise RuntimeError("the CPU matmul kernel is unavailable (see the warning above)")
   out = jax.ShapeDtypeStruct((x_NxI.shape[0], w_OxI.shape[0]), jnp.float32)
-  return jax.ffi.ffi_call(_TARGET, out, vmap_method="sequential")(x_NxI, w_OxI)
+  name = _TARGET_BF16 if w_OxI.dtype == jnp.bfloat16 else _TARGET
+  return jax.ffi.ffi_call(name, out, vmap_method="sequential")(x_NxI, w_OxI)
 
 
 @jax.custom_vjp
 def matmul_t(w_OxI, x_NxI):
-  """`x @ w.T` `[N, O]`, fp32 (check `supports` first)."""
+  """`x @ w.T` `[N, O]` in fp32, w fp32 or bf16 (check `supports` first)."""
   return _call(w_OxI, x_NxI)
 
 
@@ -154,7 +166,7 @@ def _fwd(w_OxI, x_NxI):
 
 def _bwd(res, g_NxO):
   w_OxI, x_NxI = res
-  return g_NxO.T @ x_NxI, g_NxO @ w_OxI
+  return (g_NxO.T @ x_NxI).astype(w_OxI.dtype), g_NxO @ w_OxI.astype(jnp.float32)
 
 
 matmul_t.defvjp(_fwd, _bwd)

@@ -253,12 +253,13 @@ def _residual(lp, ap, h_BxTxH, o_BxTxND, eps):
 
 
 def _layer_step(*, cfg, lp, dp, h_BxTxH, hm_BxMxH, ck, cv, layer, pos_BxT, masks,
-                attn_impl, kv_block):
+                attn_impl, kv_block, mp=None):
   """One decoder layer on clean rows (T may be 0) and mask rows (`hm_BxMxH`
   None: none). Clean rows write their K/V into the cache (stacked caches at
   index `layer`; per-layer ones when `layer` is None); mask rows read the
   cache and their own group's K/V but write nothing. `lp` are the target's
-  weights, `dp` the draft projectors (mask rows only).
+  weights, `dp` the draft projectors (mask rows only), `mp` the MLP weights
+  mask rows use instead of `lp`'s (a narrower copy, see `forward`).
   Returns (h_BxTxH, hm_BxMxH or None, ck, cv)."""
   eps = cfg.rms_norm_eps
   T = h_BxTxH.shape[1]
@@ -287,7 +288,7 @@ def _layer_step(*, cfg, lp, dp, h_BxTxH, hm_BxMxH, ck, cv, layer, pos_BxT, masks
   if T:
     h_BxTxH = _residual(lp, lp, h_BxTxH, o_BxRxND[:, :T], eps)
   if with_masks:
-    hm_BxMxH = _residual(lp, dp, hm_BxMxH, o_BxRxND[:, T:], eps)
+    hm_BxMxH = _residual(lp if mp is None else mp, dp, hm_BxMxH, o_BxRxND[:, T:], eps)
   return h_BxTxH, hm_BxMxH, ck, cv
 
 
@@ -311,7 +312,11 @@ def forward(params, cfg: ModelConfig, cache: KVCache,
     tokens_BxT/pos_BxT: clean tokens and their positions; `None` for a
       deep-layers-only pass of mask rows (sequential drafting, training).
     draft/masks/num_draft_layers: the draft pytree, the mask rows and L; mask
-      rows enter at layer `n - L` as the learned `mask` vector.
+      rows enter at layer `n - L` as the learned `mask` vector. A decoding
+      draft pytree may hold `deep_mlp`, per deep layer the MLP weights
+      (gate/up/down `_t`, post_norm) the mask rows use in place of the
+      target's: a bf16 copy, so the draft pass streams half the bytes
+      (`engine.narrow_draft_params`; clean rows keep the target's).
     kv_block: read the cache in blocks up to the largest visible position
       (decoding; not differentiable); None reads it whole (training).
   Returns:
@@ -337,8 +342,9 @@ def forward(params, cfg: ModelConfig, cache: KVCache,
       if i == s and masks is not None:
         hm = mask_input(params, draft, masks, h.dtype)
       dp = _layer(draft["layers"], i - s) if hm is not None else None
-      h, hm, ck[i], cv[i] = step(lp=params["layers"][i], dp=dp, h_BxTxH=h, hm_BxMxH=hm,
-                                 ck=ck[i], cv=cv[i], layer=None)
+      mp = draft["deep_mlp"][i - s] if hm is not None and "deep_mlp" in draft else None
+      h, hm, ck[i], cv[i] = step(lp=params["layers"][i], dp=dp, mp=mp, h_BxTxH=h,
+                                 hm_BxMxH=hm, ck=ck[i], cv=cv[i], layer=None)
     return (h if clean else None), hm, KVCache(tuple(ck), tuple(cv))
 
   layers = params["layers"]

@@ -14,6 +14,9 @@
 // last), then the 16 lanes are added in a fixed tree. A 1-token AR step and a
 // 16-token verify block therefore compute bit-identical rows.
 //
+// Weights may also come as bf16 (FlexdraftMatmulTBf16, the draft pass): see
+// block_bf16.
+//
 // The output rows are split into chunks that the calling thread and tasks on
 // XLA's intra-op thread pool claim from a shared counter; the caller waits only
 // for chunks already claimed, so a task that starts late (the pool busy) finds
@@ -25,6 +28,10 @@
 #include <cstring>
 #include <memory>
 #include <thread>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
 
 #include "xla/ffi/api/ffi.h"
 
@@ -70,6 +77,20 @@ inline v16 hsum16(const v16* a) {
   return halve<2>(d[0], d[1]);
 }
 
+// y[m, r] = the lane sum of acc[r][m] (one fixed tree, hsum16).
+template <int RO, int MR>
+inline void store_sums(const v16 (&acc)[RO][MR], float* __restrict y, int64_t ldy) {
+  static_assert(RO * MR <= kLanes, "one hsum16 sums 16 vectors");
+  v16 all[kLanes] = {};
+  for (int r = 0; r < RO; ++r)
+    for (int m = 0; m < MR; ++m) all[r * MR + m] = acc[r][m];
+  float sums[kLanes];
+  const v16 s = hsum16(all);
+  std::memcpy(sums, &s, sizeof(s));
+  for (int m = 0; m < MR; ++m)
+    for (int r = 0; r < RO; ++r) y[m * ldy + r] = sums[r * MR + m];
+}
+
 // RO (1 or 2) weight rows against MR (1..8) input rows. x: MR rows of I
 // floats (stride I); xt: their zero-padded tails (stride kLanes); wt: the
 // weight rows' tails (stride kLanes).
@@ -98,101 +119,245 @@ void block(const float* __restrict x, const float* __restrict xt, int I,
       for (int r = 0; r < RO; ++r) acc[r][m] += xv * load(wt + r * kLanes);
     }
   }
-  v16 all[kLanes] = {};
-  for (int r = 0; r < RO; ++r)
-    for (int m = 0; m < MR; ++m) all[r * MR + m] = acc[r][m];
-  float sums[kLanes];
-  const v16 s = hsum16(all);
-  std::memcpy(sums, &s, sizeof(s));
-  for (int m = 0; m < MR; ++m)
-    for (int r = 0; r < RO; ++r) y[m * ldy + r] = sums[r * MR + m];
+  store_sums<RO, MR>(acc, y, ldy);
 }
 
-template <int RO>
-void block_rows(int mr, const float* x, const float* xt, int I, const float* w,
-                const float* wt, float* y, int64_t ldy) {
-  switch (mr) {
-    case 1: return block<RO, 1>(x, xt, I, w, wt, y, ldy);
-    case 2: return block<RO, 2>(x, xt, I, w, wt, y, ldy);
-    case 3: return block<RO, 3>(x, xt, I, w, wt, y, ldy);
-    case 4: return block<RO, 4>(x, xt, I, w, wt, y, ldy);
-    case 5: return block<RO, 5>(x, xt, I, w, wt, y, ldy);
-    case 6: return block<RO, 6>(x, xt, I, w, wt, y, ldy);
-    case 7: return block<RO, 7>(x, xt, I, w, wt, y, ldy);
-    default: return block<RO, 8>(x, xt, I, w, wt, y, ldy);
+// bf16 weights (the draft pass, whose drafts need not match the target's
+// arithmetic): x is rounded to bf16 once per call, every product of a bf16
+// pair is exact in fp32, and lane l of a 16-lane accumulator sums the pairs
+// at i = 32 j + 2 l, 32 j + 2 l + 1 in increasing j — with AVX512-BF16 one
+// vdpbf16ps, twice the multiplies of an fp32 FMA, on half the bytes (else,
+// or with FLEXDRAFT_GENERIC_BF16 defined, the pairs widened to fp32).
+constexpr int kPair = 2 * kLanes;  // bf16 values a vector
+
+typedef uint16_t b32 __attribute__((vector_size(64)));
+
+inline b32 load_b32(const uint16_t* p) {
+  b32 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+// acc + the pair sums of x . w (lane l: x[2l] w[2l] + x[2l+1] w[2l+1])
+inline v16 dot_pairs(v16 acc, b32 x, b32 w) {
+#if defined(__AVX512BF16__) && !defined(FLEXDRAFT_GENERIC_BF16)
+  return (v16)_mm512_dpbf16_ps((__m512)acc, (__m512bh)x, (__m512bh)w);
+#else
+  typedef uint32_t u16v __attribute__((vector_size(64)));
+  const u16v xu = (u16v)x, wu = (u16v)w;  // lane l: value 2l low, 2l + 1 high
+  const v16 x0 = (v16)(xu << 16), x1 = (v16)(xu & 0xFFFF0000u);
+  const v16 w0 = (v16)(wu << 16), w1 = (v16)(wu & 0xFFFF0000u);
+  return acc + (x0 * w0 + x1 * w1);
+#endif
+}
+
+// fp32 -> bf16, rounded to nearest even (NaN stays NaN)
+inline uint16_t to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof(u));
+  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0;
+  u += 0x7FFFu + ((u >> 16) & 1u);
+  return (uint16_t)(u >> 16);
+}
+
+// RO weight rows (bf16) against MR input rows (bf16, stride ldx, zero-padded
+// to a multiple of kPair); wt: the weight rows' zero-padded tails.
+template <int RO, int MR>
+void block_bf16(const uint16_t* __restrict x, int64_t ldx, int I,
+                const uint16_t* __restrict w, const uint16_t* __restrict wt,
+                float* __restrict y, int64_t ldy) {
+  v16 acc[RO][MR];
+  for (int r = 0; r < RO; ++r)
+    for (int m = 0; m < MR; ++m) acc[r][m] = v16{};
+  const int body = I - I % kPair;
+  for (int i = 0; i < body; i += kPair) {
+    b32 wv[RO];
+    for (int r = 0; r < RO; ++r) {
+      __builtin_prefetch(w + (int64_t)r * I + i + 2 * kPrefetch);
+      wv[r] = load_b32(w + (int64_t)r * I + i);
+    }
+    for (int m = 0; m < MR; ++m) {
+      const b32 xv = load_b32(x + m * ldx + i);
+      for (int r = 0; r < RO; ++r) acc[r][m] = dot_pairs(acc[r][m], xv, wv[r]);
+    }
+  }
+  if (body < I) {
+    for (int m = 0; m < MR; ++m) {
+      const b32 xv = load_b32(x + m * ldx + body);
+      for (int r = 0; r < RO; ++r)
+        acc[r][m] = dot_pairs(acc[r][m], xv, load_b32(wt + r * kPair));
+    }
+  }
+  store_sums<RO, MR>(acc, y, ldy);
+}
+
+// Dispatches a run-time row count 1..8 to the template instances.
+template <int RO, template <int, int> class Block>
+struct ByRows {
+  template <class... A>
+  static void call(int mr, A... a) {
+    switch (mr) {
+      case 1: return Block<RO, 1>::run(a...);
+      case 2: return Block<RO, 2>::run(a...);
+      case 3: return Block<RO, 3>::run(a...);
+      case 4: return Block<RO, 4>::run(a...);
+      case 5: return Block<RO, 5>::run(a...);
+      case 6: return Block<RO, 6>::run(a...);
+      case 7: return Block<RO, 7>::run(a...);
+      default: return Block<RO, 8>::run(a...);
+    }
+  }
+};
+
+template <int RO, int MR>
+struct F32Block {
+  static void run(const float* x, const float* xt, int I, const float* w,
+                  const float* wt, float* y, int64_t ldy) {
+    block<RO, MR>(x, xt, I, w, wt, y, ldy);
+  }
+};
+
+template <int RO, int MR>
+struct Bf16Block {
+  static void run(const uint16_t* x, int64_t ldx, int I, const uint16_t* w,
+                  const uint16_t* wt, float* y, int64_t ldy) {
+    block_bf16<RO, MR>(x, ldx, I, w, wt, y, ldy);
+  }
+};
+
+// Weight rows a block, at most (3 ran no faster for 8 input rows, 1 slower).
+constexpr int kWeightRows = 2;
+
+// Weight rows o0..o1, kWeightRows at a time, each group against every input
+// row (kMaxRows a pass); R supplies the weights (R::W, tails of R::kTail
+// values) and calls its block for RO rows.
+template <class R>
+void row_groups(const R& r, int64_t o0, int64_t o1, float* y, int64_t O) {
+  typedef typename R::W W;
+  constexpr int TW = R::kTail;
+  const int64_t tail = r.I % TW, body = r.I - tail;
+  for (int64_t o = o0; o < o1; o += kWeightRows) {
+    const int ro = (int)std::min<int64_t>(kWeightRows, o1 - o);
+    W wt[kWeightRows * TW] = {};
+    for (int q = 0; q < ro; ++q)
+      std::memcpy(wt + q * TW, r.w + (o + q) * r.I + body, tail * sizeof(W));
+    for (int64_t n0 = 0; n0 < r.N; n0 += kMaxRows) {
+      const int mr = (int)std::min<int64_t>(kMaxRows, r.N - n0);
+      float* yn = y + n0 * O + o;
+      if (ro == 2) r.template call<2>(mr, n0, o, wt, yn, O);
+      else r.template call<1>(mr, n0, o, wt, yn, O);
+    }
   }
 }
 
-struct Job {
+// fp32 weights: x as it is, plus its rows' zero-padded tails.
+struct F32Rows {
+  typedef float W;
+  static constexpr int kTail = kLanes;
   const float* x;
   const float* w;
+  int64_t N, I;
+  std::unique_ptr<float[]> xtail;  // [N, kLanes]
+
+  F32Rows(const float* x_, const float* w_, int64_t N_, int64_t I_)
+      : x(x_), w(w_), N(N_), I(I_), xtail(new float[N_ * kLanes]()) {
+    const int64_t body = I - I % kLanes;
+    for (int64_t n = 0; n < N; ++n)
+      std::memcpy(xtail.get() + n * kLanes, x + n * I + body, (I - body) * sizeof(float));
+  }
+
+  template <int RO>
+  void call(int mr, int64_t n0, int64_t o, const float* wt, float* y, int64_t ldy) const {
+    ByRows<RO, F32Block>::call(mr, x + n0 * I, xtail.get() + n0 * kLanes, (int)I,
+                               w + o * I, wt, y, ldy);
+  }
+
+  void rows(int64_t o0, int64_t o1, float* y, int64_t O) const { row_groups(*this, o0, o1, y, O); }
+};
+
+// bf16 weights: x rounded to bf16, rows padded to a multiple of kPair.
+struct Bf16Rows {
+  typedef uint16_t W;
+  static constexpr int kTail = kPair;
+  const uint16_t* w;
+  int64_t N, I, ldx;
+  std::unique_ptr<uint16_t[]> xb;  // [N, ldx]
+
+  Bf16Rows(const float* x, const uint16_t* w_, int64_t N_, int64_t I_)
+      : w(w_), N(N_), I(I_), ldx((I_ + kPair - 1) / kPair * kPair),
+        xb(new uint16_t[N_ * ldx]()) {
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t i = 0; i < I; ++i) xb[n * ldx + i] = to_bf16(x[n * I + i]);
+  }
+
+  template <int RO>
+  void call(int mr, int64_t n0, int64_t o, const uint16_t* wt, float* y,
+            int64_t ldy) const {
+    ByRows<RO, Bf16Block>::call(mr, xb.get() + n0 * ldx, ldx, (int)I, w + o * I, wt, y, ldy);
+  }
+
+  void rows(int64_t o0, int64_t o1, float* y, int64_t O) const { row_groups(*this, o0, o1, y, O); }
+};
+
+// Output rows in chunks, claimed from a shared counter by the caller and by
+// tasks on XLA's pool; the caller waits only for claimed chunks.
+template <class Rows>
+struct Job {
+  Rows r;
   float* y;
-  int64_t N, I, O, chunk, chunks;
-  std::unique_ptr<float[]> xtail;  // [N, kLanes], zero-padded tails of x
+  int64_t O, chunk, chunks;
   std::atomic<int64_t> next{0}, done{0};
 
-  void rows(int64_t o0, int64_t o1) const {
-    const int64_t tail = I % kLanes, body = I - tail;
-    for (int64_t o = o0; o < o1; o += 2) {
-      const int ro = o + 1 < o1 ? 2 : 1;
-      float wt[2 * kLanes] = {};
-      for (int r = 0; r < ro; ++r)
-        std::memcpy(wt + r * kLanes, w + (o + r) * I + body, tail * sizeof(float));
-      for (int64_t n0 = 0; n0 < N; n0 += kMaxRows) {
-        const int mr = (int)std::min<int64_t>(kMaxRows, N - n0);
-        const float* xn = x + n0 * I;
-        const float* xt = xtail.get() + n0 * kLanes;
-        float* yn = y + n0 * O + o;
-        if (ro == 2) block_rows<2>(mr, xn, xt, (int)I, w + o * I, wt, yn, O);
-        else block_rows<1>(mr, xn, xt, (int)I, w + o * I, wt, yn, O);
-      }
-    }
+  Job(Rows&& rows, float* y_, int64_t O_, int64_t threads)
+      : r(std::move(rows)), y(y_), O(O_) {
+    // a few chunks a thread: long contiguous runs of weight rows to stream
+    chunk = std::max<int64_t>(kMinChunk, (O + 4 * threads - 1) / (4 * threads));
+    chunk += chunk % kWeightRows;
+    chunks = (O + chunk - 1) / chunk;
   }
 
   void work() {
     for (int64_t c; (c = next.fetch_add(1)) < chunks;) {
-      rows(c * chunk, std::min(O, (c + 1) * chunk));
+      r.rows(c * chunk, std::min(O, (c + 1) * chunk), y, O);
       done.fetch_add(1, std::memory_order_release);
     }
   }
 };
 
-ffi::Error MatmulT(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
-                   ffi::Buffer<ffi::F32> w, ffi::ResultBuffer<ffi::F32> y) {
-  const auto xd = x.dimensions(), wd = w.dimensions();
-  if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[1])
-    return ffi::Error::InvalidArgument("matmul_t: x must be [N, I] and w [O, I]");
-  auto job = std::make_shared<Job>();
-  job->x = x.typed_data();
-  job->w = w.typed_data();
-  job->y = y->typed_data();
-  job->N = xd[0];
-  job->I = xd[1];
-  job->O = wd[0];
+template <class Rows>
+void run(ffi::ThreadPool& pool, Rows&& rows, float* y, int64_t O) {
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  // a few chunks a thread: long contiguous runs of weight rows to stream
-  job->chunk = std::max<int64_t>(kMinChunk, (job->O + 4 * threads - 1) / (4 * threads));
-  job->chunk += job->chunk % 2;
-  job->chunks = (job->O + job->chunk - 1) / job->chunk;
-  const int64_t tail = job->I % kLanes, body = job->I - tail;
-  job->xtail.reset(new float[job->N * kLanes]());
-  for (int64_t n = 0; n < job->N; ++n)
-    std::memcpy(job->xtail.get() + n * kLanes, job->x + n * job->I + body,
-                tail * sizeof(float));
-  const int64_t helpers =
-      std::min<int64_t>(threads, job->chunks) - 1;
+  auto job = std::make_shared<Job<Rows>>(std::move(rows), y, O, threads);
+  const int64_t helpers = std::min<int64_t>(threads, job->chunks) - 1;
   for (int64_t t = 0; t < helpers; ++t) pool.Schedule([job] { job->work(); });
   job->work();
   while (job->done.load(std::memory_order_acquire) < job->chunks)
     std::this_thread::yield();
+}
+
+template <ffi::DataType W>
+ffi::Error MatmulT(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<W> w,
+                   ffi::ResultBuffer<ffi::F32> y) {
+  const auto xd = x.dimensions(), wd = w.dimensions();
+  if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[1])
+    return ffi::Error::InvalidArgument("matmul_t: x must be [N, I] and w [O, I]");
+  const int64_t N = xd[0], I = xd[1], O = wd[0];
+  if constexpr (W == ffi::DataType::BF16)
+    run(pool, Bf16Rows(x.typed_data(), w.typed_data(), N, I), y->typed_data(), O);
+  else
+    run(pool, F32Rows(x.typed_data(), w.typed_data(), N, I), y->typed_data(), O);
   return ffi::Error::Success();
 }
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(FlexdraftMatmulT, MatmulT,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+#define FD_MATMUL_HANDLER(NAME, W)                                   \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(NAME, MatmulT<W>,                     \
+                                ffi::Ffi::Bind()                      \
+                                    .Ctx<ffi::ThreadPool>()           \
+                                    .Arg<ffi::Buffer<ffi::F32>>()     \
+                                    .Arg<ffi::Buffer<W>>()            \
+                                    .Ret<ffi::Buffer<ffi::F32>>());
+
+FD_MATMUL_HANDLER(FlexdraftMatmulT, ffi::DataType::F32)
+FD_MATMUL_HANDLER(FlexdraftMatmulTBf16, ffi::DataType::BF16)
