@@ -13,6 +13,8 @@ state made by real decoding (a GSM8K-style prompt, the chat template):
                       it (transformer.greedy_tokens: a [V, k] product + argmax)
   lm_head_logits_k{k} the same through [k, V] logits (how it ran before)
   draft_pass          deep layers over the mask block + draft head + calibration
+  draft_deep_layers   its deep layers alone (hidden states of the mask block)
+  draft_tokens        its draft head + calibration + argmax alone
   step_ar, step_seq_k{k}   one whole step of the jitted decode loop
 On a CPU the LM head is a memory-bound matrix-vector product at k = 1; from
 k = 2 on the [k, V] product is a much slower small matrix-matrix product, which
@@ -48,7 +50,7 @@ def main(argv):
 
   import flexdraft_jax as fd
   from flexdraft_jax.decoding import chunk, verify
-  from flexdraft_jax.decoding.state import KV_BLOCK
+  from flexdraft_jax.decoding.state import KV_BLOCK, deep_pass, draft_tokens
   from flexdraft_jax.drafter.model import Drafter
   from flexdraft_jax.evaluation import sweep
   from flexdraft_jax.model import transformer
@@ -83,6 +85,13 @@ def main(argv):
   def draft_pass(tp, dp, st):
     return verify.refresh_drafts(tp, cfg, Drafter(dcfg, dp), st, sp=sp).drafts_BxD
 
+  def draft_deep_layers(tp, dp, st):
+    return deep_pass(tp, cfg, Drafter(dcfg, dp), st.cache, st.length_B, st.bonus_B, "xla")
+
+  def drafts_from(tp, dp, hm, st):
+    return draft_tokens(tp, cfg, Drafter(dcfg, dp), hm, st.bonus_B, sp,
+                        jax.random.PRNGKey(0))[0]
+
   def step(tp, dp, st, mode, k):  # one step of the decode loop (donation off inside jit)
     return real(tp, dp, st, **dict(kw, mode=mode, num_groups=k, n_steps=jnp.int32(1))).bonus_B
 
@@ -96,6 +105,9 @@ def main(argv):
     out[f"lm_head_logits_k{k}"] = ms(lambda tp, h: transformer.logits(tp, cfg, h).argmax(-1),
                                      tp, h)
   out["draft_pass"] = ms(draft_pass, tp, dp, state)
+  out["draft_deep_layers"] = ms(draft_deep_layers, tp, dp, state)
+  hm = jax.jit(draft_deep_layers)(tp, dp, state)
+  out["draft_tokens"] = ms(drafts_from, tp, dp, hm, state)
   out["step_ar"] = ms(functools.partial(step, mode="ar", k=0), tp, dp, state)
   for k in ks:
     if k >= 2:

@@ -128,7 +128,7 @@ def count_chunks(monkeypatch) -> list:
 
 @pytest.mark.parametrize("cheapest", ["ar", "sequential", "parallel"])
 def test_flex_auto_picks_the_fastest_predicted_mode(target, cost_cache, monkeypatch, cheapest):
-  def measure(self, state, B, S):  # one mode costs 1 s a step, the others 100 s
+  def measure(self, state, B, S, again=False):  # one mode 1 s a step, the others 100 s
     cost = lambda m: 1.0 if m == cheapest else 100.0
     return {"ar": cost("ar"),
             **{m: {str(k): cost(m) for k in self.buckets} for m in ("sequential", "parallel")}}
@@ -593,7 +593,9 @@ def test_flex_corrects_step_costs_with_what_chunks_took():
   # A chunk during which something compiled does not count.
   d.observe(hist, mode, k, B=1, steps=16, seconds=1000.0, compiled=True)
   assert d.cost_scale(1, mode) == 1.0
-  # Then the chunks take 3x what the measured cost predicted: flex falls back.
+  # Then the chunks take 3x what the measured cost predicted: flex falls back
+  # (with costs already timed again: see the next test).
+  d.retimed.add(1)
   d.observe(hist, mode, k, B=1, steps=16, seconds=3 * 16 * d.costs[mode][str(k)])
   assert d.cost_scale(1, mode) == pytest.approx(3.0)
   assert d.choose(state, 1, 8, B=1, S=64) == ("ar", 0)
@@ -609,6 +611,49 @@ def test_flex_corrects_step_costs_with_what_chunks_took():
   assert d.cost_scale(1, "ar") == pytest.approx(1.1)
   # Other batch shapes keep their own corrections.
   assert d.cost_scale(4, mode) == 1.0
+
+
+def test_flex_times_the_steps_again_where_decoding_ran_far_off_them():
+  """Costs timed during a busy spell (k = 8 timed 2.2x its real cost, k = 2
+  1.3x) keep k = 8 away; once a mode's chunks run beyond RETIME of the timed
+  costs over RETIME_STEPS steps, flex times the steps again — once per batch
+  shape."""
+  real = {("ar", 0): 1.0, ("sequential", 2): 1.3, ("sequential", 8): 1.6}
+  busy = {("ar", 0): 1.0, ("sequential", 2): 1.7, ("sequential", 8): 3.5}
+  timings = []
+
+  def time_step(state, mode, k):
+    timings.append((mode, k))
+    return (busy if len(timings) <= 3 * flex.TIMING_ROUNDS else real)[(mode, k)]
+
+  drafter = types.SimpleNamespace(
+      config=types.SimpleNamespace(block_size=8, bonus_input=True, num_layers=2,
+                                   draft_vocab=0), params={})
+  opts = chunk.SpecOptions(cost_cache=None)
+  _, buckets = chunk.verify_buckets(8, opts)
+  d = flex.FlexPolicy(types.SimpleNamespace(fingerprint="retime-test"), drafter, opts,
+                      buckets, time_step)
+  state = _conf_state([0.8] * 7)
+  mode, k = d.choose(state, 1, 8, B=1, S=64)
+  assert len(timings) == 3 * flex.TIMING_ROUNDS and (mode, k) != ("sequential", 8)
+  hist = np.zeros(9, np.int64)
+  hist[k] = 8  # every draft verified is accepted
+  # chunks far off the timed cost, but fewer than RETIME_STEPS, change nothing ...
+  d.observe(hist, mode, k, B=1, steps=8, seconds=8 * 0.6 * d._cost(mode, k))
+  assert not d.timing_was_off(1)
+  d.choose(state, 1, 8, B=1, S=64)
+  assert len(timings) == 3 * flex.TIMING_ROUNDS
+  # ... over RETIME_STEPS steps the steps are timed again
+  d.observe(hist, mode, k, B=1, steps=8, seconds=8 * 0.6 * d._cost(mode, k))
+  assert d.timing_was_off(1)
+  assert d.choose(state, 1, 8, B=1, S=64) == ("sequential", 8)
+  assert len(timings) == 6 * flex.TIMING_ROUNDS
+  assert d.costs["sequential"]["8"] == real[("sequential", 8)]
+  assert d.realized.get(1) is None and not d.timing_was_off(1)
+  # once per batch shape
+  d.observe(hist, "sequential", 8, B=1, steps=16, seconds=16 * 3.0)
+  d.choose(state, 1, 8, B=1, S=64)
+  assert len(timings) == 6 * flex.TIMING_ROUNDS
 
 
 def test_flex_corrects_each_verify_length_by_its_own_chunks():
@@ -678,7 +723,7 @@ def test_flex_keeps_speculating_while_it_is_predicted_as_fast_as_ar():
 
 def test_flex_falls_back_to_ar_when_speculation_is_slower_than_timed(
     target, cost_cache, monkeypatch):
-  def measure(self, state, B, S):  # sequential "timed" at half of AR: it starts there
+  def measure(self, state, B, S, again=False):  # sequential "timed" at half of AR
     cost = {"sequential": 0.5e-6, "parallel": 100.0}  # a real step takes ~1 ms
     return {"ar": 1e-6, **{m: {str(k): cost[m] for k in self.buckets} for m in self.modes}}
   monkeypatch.setattr(flex.FlexPolicy, "measure", measure)

@@ -21,7 +21,8 @@ chunks then really cost corrects the model: per (mode, k) once it has run
 took to what the measured costs predicted scales those costs, so a mode
 slower than timed falls back to AR at the next choice (a mode that has not
 run lately borrows the others' ratio, up to `MACHINE_DRIFT`: a busy machine
-slows every mode);
+slows every mode); where they ran more than `RETIME` off, the timing itself was
+off and flex times the steps again (once per batch shape and run);
 until a (mode, k) has timed steps at this batch shape its chunks are short
 (`PROBE_STEPS`), so a wrong first choice costs a few steps. AR learns nothing
 about acceptance, so where speculation came close flex probes it again after
@@ -87,6 +88,15 @@ TIMING_ROUNDS = 3  # rounds of timing every variant (measure)
 # changes what a step costs, so costs timed before it are timed again
 # (2: the transposed decode layout and buckets 2, 3, 4, 8, 16, 2026-12-02).
 STEP_COST_VERSION = 2
+# Where a mode's decoding chunks (RETIME_STEPS of them at least) ran more than
+# RETIME times slower or faster than its timed costs predicted, the timing
+# itself was off — a busy spell of a shared CPU while `measure` ran (it skews
+# the two timed lengths apart, and the interpolation between them inherits
+# it), or a cached table from other conditions: flex times the steps again,
+# once per batch shape and run. (On a quiet machine the corrections stay
+# within a few %: 0.995 and 1.023 in two batch-1 runs here.)
+RETIME = 1.25
+RETIME_STEPS = 2 * MIN_TIMED
 # How much slower (or faster) than timed a shared CPU may run all modes at
 # once: a mode that has not run since inherits the others' correction up to
 # this factor; beyond it the slowdown is the mode's own (cost_scale).
@@ -136,6 +146,7 @@ class FlexPolicy:
     self.accepted = np.zeros(bs)
     self.choices = {}              # batch rows -> the last choice and its prediction
     self.measured = {}             # batch rows -> step costs ("auto")
+    self.retimed = set()           # batch rows whose costs were timed again
     # Batch rows -> {(mode, k): [steps, seconds, tokens]} of decoding chunks
     # during which nothing compiled.
     self.realized = {}
@@ -217,11 +228,22 @@ class FlexPolicy:
       return 1.0
     return float(np.clip(other, 1.0 / MACHINE_DRIFT, MACHINE_DRIFT))
 
-  def _realized_ratio(self, B: int, pick):
+  def timing_was_off(self, B: int) -> bool:
+    """Whether some mode's chunks at B ran beyond RETIME of its timed costs
+    (over RETIME_STEPS steps) and B was not timed again yet (see RETIME)."""
+    if B in self.retimed:
+      return False
+    for mode in ("ar",) + self.modes:
+      r = self._realized_ratio(B, lambda m, kk: m == mode, RETIME_STEPS)
+      if r is not None and not 1.0 / RETIME <= r <= RETIME:
+        return True
+    return False
+
+  def _realized_ratio(self, B: int, pick, min_steps: int = MIN_TIMED):
     """Realized / predicted seconds of the chunks at B whose (mode, k) `pick`
-    selects; None under MIN_TIMED steps."""
+    selects; None under `min_steps` steps."""
     rows = [(m, kk, r) for (m, kk), r in self.realized.get(B, {}).items() if pick(m, kk)]
-    if sum(r[0] for _, _, r in rows) < MIN_TIMED:
+    if sum(r[0] for _, _, r in rows) < min_steps:
       return None
     predicted = sum(r[0] * self._cost(m, kk) for m, kk, r in rows)
     return sum(r[1] for _, _, r in rows) / predicted
@@ -294,6 +316,10 @@ class FlexPolicy:
       return ("parallel" if small else "sequential"), k
     if self.costs is None:
       self.costs = self.measured[str(B)] = self.measure(state, B, S)
+    elif self.timing_was_off(B):
+      self.retimed.add(B)
+      self.realized.pop(B, None)  # corrections of the old costs
+      self.costs = self.measured[str(B)] = self.measure(state, B, S, again=True)
     self._see_confidence(state)
     self._see_rows(state)
     rates = self.predicted_rates(state, B)
@@ -393,18 +419,20 @@ class FlexPolicy:
         "cpu_matmul" if cpu_matmul.available() else "dot",
         narrowed_dtype(self.drafter.params) or "draft_dtype=target")))
 
-  def measure(self, state, B: int, S: int) -> dict:
+  def measure(self, state, B: int, S: int, again: bool = False) -> dict:
     """Seconds per step at this batch shape: AR, and each speculative mode at
     the shortest and longest verify length (the rest interpolated linearly in
-    k). Cached in memory and, where possible, on disk."""
+    k). Cached in memory and, where possible, on disk; `again` times them
+    anew (the cached ones were off, see RETIME) and replaces them."""
     key, table = self.cost_key(B, S), _read_costs(self.cost_path)
-    if key in table:
+    if key in table and not again:
       return table[key]
     start = time.time()
     ends = sorted({self.buckets[0], self.buckets[-1]})
     plan = [("ar", 0)] + [(m, k) for m in self.modes for k in ends]
     where = self.cost_path or "memory only"
-    print(f"flex: timing {len(plan)} step variants at batch {B} once (kept in "
+    what = ("again: decoding ran off the timed costs" if again else "once")
+    print(f"flex: timing {len(plan)} step variants at batch {B} {what} (kept in "
           f"{where})", file=sys.stderr, flush=True)
     import tqdm
     # Round-robin, best of TIMING_ROUNDS per variant: a slow spell of a shared
