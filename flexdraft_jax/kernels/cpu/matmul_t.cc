@@ -271,8 +271,6 @@ struct F32Rows {
     ByRows<RO, F32Block>::call(mr, x + n0 * I, xtail.get() + n0 * kLanes, (int)I,
                                w + o * I, wt, y, ldy);
   }
-
-  void rows(int64_t o0, int64_t o1, float* y, int64_t O) const { row_groups(*this, o0, o1, y, O); }
 };
 
 // bf16 weights: x rounded to bf16, rows padded to a multiple of kPair.
@@ -295,8 +293,6 @@ struct Bf16Rows {
             int64_t ldy) const {
     ByRows<RO, Bf16Block>::call(mr, xb.get() + n0 * ldx, ldx, (int)I, w + o * I, wt, y, ldy);
   }
-
-  void rows(int64_t o0, int64_t o1, float* y, int64_t O) const { row_groups(*this, o0, o1, y, O); }
 };
 
 // Output rows in chunks, claimed from a shared counter by the caller and by
@@ -318,7 +314,7 @@ struct Job {
 
   void work() {
     for (int64_t c; (c = next.fetch_add(1)) < chunks;) {
-      r.rows(c * chunk, std::min(O, (c + 1) * chunk), y, O);
+      row_groups(r, c * chunk, std::min(O, (c + 1) * chunk), y, O);
       done.fetch_add(1, std::memory_order_release);
     }
   }
