@@ -74,9 +74,16 @@ def test_save_load_round_trip(tmp_path):
   meta = json.load(open(os.path.join(path, "drafter.json")))
   assert meta["training"]["tokens_seen"] == 123
   assert meta["target"]["num_layers"] == t.config.num_layers
-  # saving again over it is atomic and leaves no temporary directories
+  # saving again over it is atomic, leaves no temporary directories and keeps
+  # what else the directory holds (its card); both readable by others
+  with open(os.path.join(path, "README.md"), "w") as f:
+    f.write("card")
   ckpt.save_drafter(path, d, t)
   assert os.listdir(tmp_path) == ["d"]
+  assert sorted(os.listdir(path)) == ["README.md", "drafter.json", "params.safetensors"]
+  assert open(os.path.join(path, "README.md")).read() == "card"
+  assert os.stat(path).st_mode & 0o055 and os.stat(
+      os.path.join(path, "params.safetensors")).st_mode & 0o044
   # loaded in a bf16 target's dtype
   t16 = t._replace(params=jax.tree.map(lambda x: x.astype(jnp.bfloat16), t.params))
   assert ckpt.load_drafter(path, t16).params["mask"].dtype == jnp.bfloat16

@@ -78,7 +78,7 @@ def save_drafter(path: str, drafter: Drafter, target, *,
     raise FlexDraftError(
         f"drafter was made for target fingerprint {fingerprint}, not "
         f"{target.fingerprint} ({target.name})")
-  flat = {k: _stored(np.asarray(jax.device_get(v)))
+  flat = {k: _stored(np.asarray(jax.device_get(v)), exact=k.startswith("ngram/"))
           for k, v in flatten(drafter.params).items() if k != "head"}
   meta = {"format": FORMAT, "version": VERSION,
           "config": dataclasses.asdict(drafter.config),
@@ -89,9 +89,17 @@ def save_drafter(path: str, drafter: Drafter, target, *,
   os.makedirs(parent, exist_ok=True)
   tmp = tempfile.mkdtemp(prefix=os.path.basename(path) + ".tmp-", dir=parent)
   try:
+    os.chmod(tmp, 0o755 & ~_umask())  # mkdtemp makes it private
     st_numpy.save_file(flat, os.path.join(tmp, TENSOR_FILE))
     with open(os.path.join(tmp, META_FILE), "w") as f:
       json.dump(meta, f, indent=1, sort_keys=True)
+    os.chmod(os.path.join(tmp, TENSOR_FILE), 0o644 & ~_umask())
+    if os.path.isdir(path):  # the rest of a drafter written over (its card) stays
+      for name in os.listdir(path):
+        if name not in (TENSOR_FILE, META_FILE):
+          src = os.path.join(path, name)
+          (shutil.copytree if os.path.isdir(src) else shutil.copy2)(
+              src, os.path.join(tmp, name))
     old = None
     if os.path.exists(path):
       old = tempfile.mkdtemp(prefix=os.path.basename(path) + ".old-", dir=parent)
@@ -105,10 +113,19 @@ def save_drafter(path: str, drafter: Drafter, target, *,
   return path
 
 
-def _stored(x: np.ndarray) -> np.ndarray:
-  """Weights as bf16; integer leaves (the draft vocabulary) as int32."""
+def _umask() -> int:
+  mask = os.umask(0)
+  os.umask(mask)
+  return mask
+
+
+def _stored(x: np.ndarray, exact: bool = False) -> np.ndarray:
+  """Weights as bf16; integer leaves (the draft vocabulary, n-gram keys) as
+  int32; `exact` floats (the n-gram counts) as float32."""
   if np.issubdtype(x.dtype, np.integer):
     return x.astype(np.int32)
+  if exact:
+    return x.astype(np.float32)
   return x.astype(ml_dtypes.bfloat16)
 
 
@@ -180,6 +197,6 @@ def load_drafter(path: str, target) -> Drafter:
                            f"{tuple(v.shape)}, expected {tuple(expected[k].shape)}")
   if "vocab" in flat:
     check_vocab(flat["vocab"], dcfg.draft_vocab, target.config.vocab_size)
-  params = unflatten({k: jnp.asarray(v) if k == "vocab" else
+  params = unflatten({k: jnp.asarray(v) if np.issubdtype(v.dtype, np.integer) else
                       jnp.asarray(v.astype(np.float32), dtype) for k, v in flat.items()})
   return Drafter(dcfg, params, meta["target"]["fingerprint"])
