@@ -90,7 +90,7 @@ def main(argv):
 
   def drafts_from(tp, dp, hm, st):
     return draft_tokens(tp, cfg, Drafter(dcfg, dp), hm, st.bonus_B, sp,
-                        jax.random.PRNGKey(0))[0]
+                        jax.random.PRNGKey(0), st.hist_BxL, st.length_B)[0]
 
   def step(tp, dp, st, mode, k):  # one step of the decode loop (donation off inside jit)
     return real(tp, dp, st, **dict(kw, mode=mode, num_groups=k, n_steps=jnp.int32(1))).bonus_B

@@ -93,3 +93,25 @@ def vocab_drafter(drafter, ids):
                 calib=dict(c, w2=c["w2"][:, ids], b2=c["b2"][ids]))
   dcfg = dataclasses.replace(drafter.config, draft_vocab=len(ids))
   return Drafter(dcfg, params, drafter.target_fingerprint)
+
+
+def ngram_drafter(target, block_size=4, weight=0.5, context=(1.0, 0.5), top=0, answers=None):
+  """A random drafter with the n-gram prior (`drafter.ngram`): tables counted
+  over `answers` (default: the target's own greedy continuations of random
+  prompts, so the prior knows its habits) and the row-text weights `context`."""
+  from flexdraft_jax import generate
+  from flexdraft_jax.drafter import ngram
+  cfg = target.config
+  d = random_drafter(target, block_size=block_size, noise=0.5)
+  if answers is None:
+    r = np.random.RandomState(7)
+    prompts = [r.randint(2, cfg.vocab_size, size=4).tolist() for _ in range(24)]
+    out = generate(target, prompts, max_new_tokens=24, stop=[])
+    answers = [p[-2:] + list(o) for p, o in zip(prompts, out.token_ids)]
+  tables = ngram.build_tables(answers, np.arange(cfg.vocab_size), cfg.vocab_size)
+  dcfg = dataclasses.replace(
+      d.config, ngram_weight=weight, context_trigram=context[0], context_bigram=context[1],
+      rescore_top=top or cfg.vocab_size, ngram_bigrams=len(tables["bi_key"]),
+      ngram_contexts=len(tables["ctx_key"]), ngram_trigrams=len(tables["tri_key"]))
+  return Drafter(dcfg, dict(d.params, ngram=jax.tree.map(jnp.asarray, tables)),
+                 target.fingerprint)

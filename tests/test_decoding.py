@@ -403,7 +403,8 @@ def test_short_verify_length_keeps_accepting_the_same_drafts():
 
 
 def _driver(bs=8, verify_len=None):
-  drafter = types.SimpleNamespace(config=types.SimpleNamespace(block_size=bs, bonus_input=False))
+  drafter = types.SimpleNamespace(config=types.SimpleNamespace(block_size=bs, bonus_input=False,
+                                                               rescores=False))
   opts = chunk.SpecOptions(verify_len=verify_len)
   _, buckets = chunk.verify_buckets(bs, opts)
   return flex.FlexPolicy(None, drafter, opts, buckets, time_step=None)
@@ -628,7 +629,7 @@ def test_flex_times_the_steps_again_where_decoding_ran_far_off_them():
 
   drafter = types.SimpleNamespace(
       config=types.SimpleNamespace(block_size=8, bonus_input=True, num_layers=2,
-                                   draft_vocab=0), params={})
+                                   draft_vocab=0, rescores=False), params={})
   opts = chunk.SpecOptions(cost_cache=None)
   _, buckets = chunk.verify_buckets(8, opts)
   d = flex.FlexPolicy(types.SimpleNamespace(fingerprint="retime-test"), drafter, opts,
@@ -744,7 +745,7 @@ def test_flex_falls_back_to_ar_when_speculation_is_slower_than_timed(
     assert why["choice"] == ["ar", 0] and why["cost_scale"]["sequential"] > 100
 
 
-def test_step_cost_key_names_the_cost_model_version_and_the_draft_dtype(monkeypatch):
+def test_step_cost_key_names_the_cost_model_version_and_the_draft_pass(monkeypatch):
   # costs timed before a change to the decode step are not reused after it
   d = _driver()
   d.target = types.SimpleNamespace(fingerprint="fp")
@@ -756,6 +757,10 @@ def test_step_cost_key_names_the_cost_model_version_and_the_draft_dtype(monkeypa
   d.drafter.params = {"deep_mlp": [{"gate_t": jnp.zeros((2, 2), jnp.bfloat16)}]}
   assert d.cost_key(1, 256) != now
   d.drafter.params = {}
+  # so does a draft pass that re-scores slot by slot (the n-gram prior)
+  d.drafter.config.rescores, d.drafter.config.rescore_top = True, 32
+  assert d.cost_key(1, 256) != now
+  d.drafter.config.rescores = False
   monkeypatch.setattr(flex, "STEP_COST_VERSION", flex.STEP_COST_VERSION - 1)
   assert d.cost_key(1, 256) != now
 

@@ -149,3 +149,14 @@ def test_a_drafter_reading_the_bonus_samples_the_target_distribution(setup, kw):
   r = _sample(target, reading, "sequential", **kw)
   assert r.stats["tau"] > 1.08, r.stats["tau"]
   assert _chi2_pvalue(r.token_ids, exact) > 1e-3
+
+
+@pytest.mark.parametrize("kw", [{}, {"draft_sampling": True}])
+def test_a_drafter_with_the_ngram_prior_samples_the_target_distribution(setup, kw):
+  # Slot j's draft distribution is re-scored given the (sampled) drafts before
+  # it; rejection sampling uses that q.
+  from tests.decoding_util import ngram_drafter
+  target, _, exact = setup
+  r = _sample(target, ngram_drafter(target, block_size=4, weight=1.0), "sequential", **kw)
+  assert r.stats["tau"] > 1.08, r.stats["tau"]
+  assert _chi2_pvalue(r.token_ids, exact) > 1e-3

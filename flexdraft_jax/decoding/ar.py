@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 
 from flexdraft_jax.decoding.sampling import SamplingParams, target_tokens
-from flexdraft_jax.decoding.state import KV_BLOCK, DecodeState, emit
+from flexdraft_jax.decoding.state import KV_BLOCK, DecodeState, emit, record_tokens
 from flexdraft_jax.model import transformer
 
 
@@ -29,6 +29,8 @@ def ar_step(target_params, cfg, state: DecodeState, *, sp: SamplingParams,
       length_B=state.length_B + live,
       bonus_B=jnp.where(live, y, state.bonus_B),
       out_BxO=out, n_out_B=n_out, done_B=done,
+      hist_BxL=record_tokens(state.hist_BxL, state.length_B, y[:, None], jnp.ones_like(y),
+                             live),
       steps=state.steps + 1,
       accept_hist=state.accept_hist.at[hist_idx].add(jnp.sum(live)))
 

@@ -145,4 +145,5 @@ def take_rows(state, idx_R):
       length_B=batch(state.length_B), bonus_B=batch(state.bonus_B),
       drafts_BxD=batch(state.drafts_BxD), conf_BxD=batch(state.conf_BxD),
       q_BxDxV=batch(state.q_BxDxV), out_BxO=batch(state.out_BxO),
-      n_out_B=batch(state.n_out_B), done_B=batch(state.done_B))
+      n_out_B=batch(state.n_out_B), done_B=batch(state.done_B),
+      hist_BxL=batch(state.hist_BxL))

@@ -417,7 +417,8 @@ class FlexPolicy:
         len(jax.devices()), jax.__version__, B, S, d.block_size, d.num_layers, d.draft_vocab,
         self.opts.theta > 0, self.buckets, self.modes,
         "cpu_matmul" if cpu_matmul.available() else "dot",
-        narrowed_dtype(self.drafter.params) or "draft_dtype=target")))
+        narrowed_dtype(self.drafter.params) or "draft_dtype=target",
+        f"rescore{d.rescore_top}" if d.rescores else "no_rescore")))
 
   def measure(self, state, B: int, S: int, again: bool = False) -> dict:
     """Seconds per step at this batch shape: AR, and each speculative mode at

@@ -37,6 +37,9 @@ class DecodeState(NamedTuple):
   key: jax.Array
   steps: jax.Array         # int32 target forwards (verification steps)
   accept_hist: jax.Array   # int32 [bs+1]: histogram of tokens committed per step
+  # int32 [B, P + O + 1]: the token at each position through the bonus (-1
+  # after it), for a drafter whose n-gram prior reads the row's text; else [B, 0]
+  hist_BxL: jax.Array
 
 
 def emit(state: DecodeState, new_BxE, n_new_B, max_new, stop_ids_S):
@@ -65,22 +68,49 @@ def emit(state: DecodeState, new_BxE, n_new_B, max_new, stop_ids_S):
 DRAFT_KEY_OFFSET = 1 << 30  # keeps draft sampling's keys apart from verification's
 
 
-def draft_tokens(target_params, cfg, drafter, hm_BxbsxH, bonus_B, sp: SamplingParams, key):
+def draft_tokens(target_params, cfg, drafter, hm_BxbsxH, bonus_B, sp: SamplingParams, key,
+                 hist_BxL=None, bonus_at_B=None):
   """Drafts d1..d_{bs-1} from mask slots 1.., their confidences and, for sampled
-  drafts, their distributions q (else an empty `[B, D, 0]`)."""
+  drafts, their distributions q (else an empty `[B, D, 0]`). `hist[:, :bonus_at
+  + 1]` is each row's text through the bonus (the n-gram prior reads it; None:
+  no text, the data's n-grams alone)."""
   h = hm_BxbsxH[:, 1:]
   bonus = jnp.broadcast_to(bonus_B[:, None], h.shape[:2])
   lg = drafter_model.draft_logits(target_params, cfg, drafter, h, bonus)
-  probs_max = jnp.max(jax.nn.softmax(lg, axis=-1), axis=-1)
   to_ids = lambda idx: drafter_model.to_token_ids(drafter.params, idx.astype(jnp.int32))
+  if drafter.config.rescores:  # each slot re-scored given the drafts before it
+    if hist_BxL is None:  # no row text known: the data's n-grams alone
+      hist_BxL, bonus_at_B = jnp.zeros((h.shape[0], 0), jnp.int32), jnp.zeros_like(bonus_B)
+    if sp.sampled_drafts:
+      pick = lambda j, lg_BxV: jax.random.categorical(jax.random.fold_in(key, j),
+                                                      processed_logits(lg_BxV, sp))
+    else:
+      pick = lambda j, lg_BxV: jnp.argmax(lg_BxV, axis=-1)
+    lg, idx = drafter_model.rescored_drafts(cfg, drafter, lg, bonus_B, hist_BxL, bonus_at_B,
+                                            pick)
+  elif sp.sampled_drafts:
+    idx = jax.random.categorical(key, processed_logits(lg, sp))
+  else:
+    idx = jnp.argmax(lg, axis=-1)
+  probs_max = jnp.max(jax.nn.softmax(lg, axis=-1), axis=-1)
   if not sp.sampled_drafts:
-    q = jnp.zeros(h.shape[:2] + (0,), jnp.float32)
-    return to_ids(jnp.argmax(lg, axis=-1)), probs_max, q
-  x = processed_logits(lg, sp)
-  drafts = to_ids(jax.random.categorical(key, x))
-  q = drafter_model.to_full_vocab(drafter.params, jax.nn.softmax(x, axis=-1),
+    return to_ids(idx), probs_max, jnp.zeros(h.shape[:2] + (0,), jnp.float32)
+  q = drafter_model.to_full_vocab(drafter.params,
+                                  jax.nn.softmax(processed_logits(lg, sp), axis=-1),
                                   cfg.vocab_size)
-  return drafts, probs_max, q
+  return to_ids(idx), probs_max, q
+
+
+def record_tokens(hist_BxL, length_B, new_BxE, n_new_B, live_B):
+  """`hist` with each live row's first `n_new` tokens of `new` at positions
+  `length + 1 ..` (what a verification step committed after the old bonus)."""
+  B, E = new_BxE.shape
+  if hist_BxL.shape[1] == 0:
+    return hist_BxL
+  j = jnp.arange(E)[None]
+  at = jnp.where((j < n_new_B[:, None]) & live_B[:, None], length_B[:, None] + 1 + j,
+                 hist_BxL.shape[1])   # out of range: dropped
+  return hist_BxL.at[jnp.arange(B)[:, None], at].set(new_BxE, mode="drop")
 
 
 def mask_block(start_B, limit_B, num_groups: int, bs: int, bonus_B=None):
@@ -118,11 +148,18 @@ def prefill(target_params, cfg, cache, prompt_BxP, plen_B, valid_B, key, *,
   h_last = jnp.take_along_axis(h, (plen_B - 1)[:, None, None], axis=1)
   key, sub, sub_draft = jax.random.split(key, 3)
   t0 = target_tokens(target_params, cfg, h_last, sub, sp)[:, 0]
+  hist = jnp.zeros((B, 0), jnp.int32)
+  if drafter is not None and drafter.config.rescores:
+    hist = jnp.full((B, P + out_len + 1), -1, jnp.int32)
+    hist = hist.at[:, :P].set(jnp.where(pos < plen_B[:, None], prompt_BxP, -1))
+    hist = hist.at[jnp.arange(B), plen_B].set(t0)
   if joint:
-    drafts, conf, q = draft_tokens(target_params, cfg, drafter, hm, t0, sp, sub_draft)
+    drafts, conf, q = draft_tokens(target_params, cfg, drafter, hm, t0, sp, sub_draft,
+                                   hist, plen_B)
   elif drafter is not None:
     hm = deep_pass(target_params, cfg, drafter, cache, plen_B, t0, attn_impl)
-    drafts, conf, q = draft_tokens(target_params, cfg, drafter, hm, t0, sp, sub_draft)
+    drafts, conf, q = draft_tokens(target_params, cfg, drafter, hm, t0, sp, sub_draft,
+                                   hist, plen_B)
   else:
     drafts, conf = jnp.zeros((B, 0), jnp.int32), jnp.zeros((B, 0), jnp.float32)
     q = jnp.zeros((B, 0, 0), jnp.float32)
@@ -131,7 +168,8 @@ def prefill(target_params, cfg, cache, prompt_BxP, plen_B, valid_B, key, *,
       drafts_BxD=drafts, conf_BxD=conf, q_BxDxV=q,
       out_BxO=jnp.zeros((B, out_len), jnp.int32),
       n_out_B=jnp.zeros((B,), jnp.int32), done_B=~valid_B, key=key,
-      steps=jnp.zeros((), jnp.int32), accept_hist=jnp.zeros((bs + 1,), jnp.int32))
+      steps=jnp.zeros((), jnp.int32), accept_hist=jnp.zeros((bs + 1,), jnp.int32),
+      hist_BxL=hist)
   out, n_out, done, _ = emit(state, t0[:, None], jnp.ones((B,), jnp.int32),
                              max_new, stop_ids)
   return state._replace(out_BxO=out, n_out_B=n_out, done_B=done)

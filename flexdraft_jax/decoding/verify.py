@@ -7,7 +7,7 @@ import jax.numpy as jnp
 
 from flexdraft_jax.decoding.sampling import SamplingParams, processed_logits, target_tokens
 from flexdraft_jax.decoding.state import (DRAFT_KEY_OFFSET, DecodeState, deep_pass,
-                                         draft_tokens, emit)
+                                         draft_tokens, emit, record_tokens)
 from flexdraft_jax.model import transformer
 
 STRATEGIES = ("cumulative_product", "min_confidence")
@@ -80,7 +80,9 @@ def commit(state: DecodeState, y_Bxbs, a_B, cache, *, max_new,
   new = jnp.where(j < a_B[:, None], drafts, bonus[:, None])
   live = ~state.done_B
   out, n_out, done, _ = emit(state, new, a_B + 1, max_new, stop_ids)
+  hist = record_tokens(state.hist_BxL, state.length_B, new, a_B + 1, live)
   return state._replace(
+      hist_BxL=hist,
       cache=cache,
       length_B=jnp.where(live, state.length_B + a_B + 1, state.length_B),
       bonus_B=jnp.where(live, bonus, state.bonus_B),
@@ -93,7 +95,7 @@ def set_drafts(target_params, cfg, drafter, state: DecodeState, hm_BxbsxH,
   """New drafts from one mask group's hidden states and the (new) bonus."""
   key = jax.random.fold_in(state.key, DRAFT_KEY_OFFSET + state.steps)
   drafts, conf, q = draft_tokens(target_params, cfg, drafter, hm_BxbsxH,
-                                 state.bonus_B, sp, key)
+                                 state.bonus_B, sp, key, state.hist_BxL, state.length_B)
   live = ~old.done_B
   return state._replace(drafts_BxD=jnp.where(live[:, None], drafts, old.drafts_BxD),
                         conf_BxD=jnp.where(live[:, None], conf, old.conf_BxD),

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from flexdraft_jax.drafter import ngram
 from flexdraft_jax.model import transformer
 from flexdraft_jax.model.config import FlexDraftError, ModelConfig
 
@@ -28,6 +29,30 @@ class DrafterConfig:
   # `embed(bonus) @ bonus_in` (SPEC §7): every slot can attend to the bonus.
   # Needs the bonus before drafting: sequential mode only.
   bonus_input: bool = False
+  # The n-gram prior (`drafter.ngram`, beyond the paper): each slot's
+  # `rescore_top` likeliest drafts re-scored given the drafts before it, by the
+  # data's n-grams (tables of these sizes in `params["ngram"]`, weight
+  # `ngram_weight`) and by the row's own text (`context_trigram`,
+  # `context_bigram`). Drafting then picks slot by slot.
+  ngram_bigrams: int = 0
+  ngram_contexts: int = 0
+  ngram_trigrams: int = 0
+  ngram_weight: float = 0.0
+  ngram_smoothing_bi: float = 1.0
+  ngram_smoothing_tri: float = 2.0
+  context_trigram: float = 0.0
+  context_bigram: float = 0.0
+  rescore_top: int = 32
+
+  @property
+  def has_ngram_tables(self) -> bool:
+    return self.ngram_bigrams > 0
+
+  @property
+  def rescores(self) -> bool:
+    """Whether drafting re-scores slot by slot (the n-gram prior is on)."""
+    return ((self.has_ngram_tables and self.ngram_weight != 0)
+            or self.context_trigram != 0 or self.context_bigram != 0)
 
   def validate(self, cfg: ModelConfig):
     if not 1 <= self.num_layers <= cfg.num_layers:
@@ -40,6 +65,13 @@ class DrafterConfig:
     if not 0 <= self.draft_vocab <= cfg.vocab_size:
       raise FlexDraftError(f"draft_vocab={self.draft_vocab} must be in [0, "
                            f"{cfg.vocab_size}] (0: the full vocabulary)")
+    if self.rescores and not 1 <= self.rescore_top <= (self.draft_vocab or cfg.vocab_size):
+      raise FlexDraftError(f"rescore_top={self.rescore_top} must be in [1, "
+                           f"{self.draft_vocab or cfg.vocab_size}] (the draft vocabulary)")
+    if min(self.ngram_bigrams, self.ngram_contexts, self.ngram_trigrams) < 0 or (
+        self.ngram_bigrams == 0 and self.ngram_contexts + self.ngram_trigrams > 0):
+      raise FlexDraftError("n-gram table sizes must be >= 0, with bigrams wherever "
+                           "there are trigrams")
 
 
 class Drafter(NamedTuple):
@@ -77,6 +109,13 @@ def init_draft_params(target_params, cfg: ModelConfig, dcfg: DrafterConfig,
           "b2": jnp.zeros((out,), dtype),
       },
   }
+  if dcfg.has_ngram_tables:  # filled by `ngram.build_tables` (not trained)
+    K = dcfg.draft_vocab or cfg.vocab_size
+    params["ngram"] = {
+        k: jnp.zeros(shape, jnp.int32 if integer else dtype)
+        for k, (shape, integer) in ngram.table_shapes(
+            cfg.vocab_size, K, dcfg.ngram_bigrams, dcfg.ngram_contexts,
+            dcfg.ngram_trigrams).items()}
   if dcfg.bonus_input:  # zero: starts as the plain mask
     params["bonus_in"] = jnp.zeros((H, H), dtype)
   if dcfg.draft_vocab:
@@ -100,9 +139,13 @@ def check_vocab(vocab, size: int, vocab_size: int) -> jax.Array:
   return jnp.asarray(v, jnp.int32)
 
 
+FIXED_KEYS = ("vocab", "ngram")  # data, not weights: never trained
+
+
 def trainable(params) -> dict:
-  """The draft pytree without its integer vocabulary (what gets gradients)."""
-  return {k: v for k, v in params.items() if k != "vocab"}
+  """The draft pytree without its vocabulary and n-gram tables (what gets
+  gradients)."""
+  return {k: v for k, v in params.items() if k not in FIXED_KEYS}
 
 
 def draft_head(target_params, cfg: ModelConfig, draft_params):
@@ -140,17 +183,71 @@ def calibration_bias(target_params, cfg: ModelConfig, dcfg: DrafterConfig,
 
 
 def draft_logits(target_params, cfg: ModelConfig, drafter: Drafter,
-                 hm_BxMxH, bonus_BxM, *, calibrate: bool = True):
+                 hm_BxMxH, bonus_BxM, *, calibrate: bool = True, context=None):
   """Calibrated draft logits `[B, M, V']` from mask hidden states (pre final
-  norm); V' is the draft vocabulary (`to_token_ids` maps indices to ids)."""
+  norm); V' is the draft vocabulary (`to_token_ids` maps indices to ids).
+  `context` = (prev2_BxM, prev_BxM, hist_BxT, upto_BxM): the two tokens before
+  each row's slot and the text its block drafts after — the n-gram prior's
+  inputs (`rescored`; training passes the true tokens, drafting, which knows
+  them only slot by slot, calls `rescored_drafts`)."""
   head = draft_head(target_params, cfg, drafter.params)
   x = transformer.rms_norm(hm_BxMxH, target_params["final_norm"], cfg.rms_norm_eps)
-  base = _head_product(drafter.params, head, x)
-  if not (calibrate and drafter.config.calibrate):
-    return base
-  return base + calibration_bias(target_params, cfg, drafter.config,
+  out = _head_product(drafter.params, head, x)
+  if calibrate and drafter.config.calibrate:
+    out = out + calibration_bias(target_params, cfg, drafter.config,
                                  drafter.params["calib"], x, bonus_BxM, head,
                                  drafter.params)
+  if context is not None and drafter.config.rescores:
+    out = rescored(cfg, drafter, out, *context)
+  return out
+
+
+def prior_bias(cfg: ModelConfig, drafter: Drafter, cand_BxMxC, prev2_BxM, prev_BxM,
+               hist_BxT, upto_BxM):
+  """The n-gram prior's bias `[B, M, C]` for draft-vocabulary candidates."""
+  dcfg, p = drafter.config, drafter.params
+  bias = jnp.zeros(cand_BxMxC.shape, jnp.float32)
+  if dcfg.has_ngram_tables and dcfg.ngram_weight:
+    bias += dcfg.ngram_weight * ngram.data_pmi(
+        p["ngram"], dcfg.draft_vocab or cfg.vocab_size, prev2_BxM, prev_BxM, cand_BxMxC,
+        dcfg.ngram_smoothing_bi, dcfg.ngram_smoothing_tri)
+  if dcfg.context_trigram or dcfg.context_bigram:
+    tri, bi = ngram.in_context(hist_BxT, upto_BxM, prev2_BxM, prev_BxM,
+                               to_token_ids(p, cand_BxMxC))
+    bias += dcfg.context_trigram * tri + dcfg.context_bigram * bi
+  return bias
+
+
+def rescored(cfg: ModelConfig, drafter: Drafter, logits_BxMxV, prev2_BxM, prev_BxM,
+             hist_BxT, upto_BxM, cand=None):
+  """`logits` with the n-gram prior added to each row's `rescore_top` largest
+  (`cand`, their indices, when known)."""
+  if cand is None:
+    _, cand = jax.lax.top_k(jax.lax.stop_gradient(logits_BxMxV), drafter.config.rescore_top)
+  bias = prior_bias(cfg, drafter, cand, prev2_BxM, prev_BxM, hist_BxT, upto_BxM)
+  B, M, _ = cand.shape
+  return logits_BxMxV.at[jnp.arange(B)[:, None, None], jnp.arange(M)[None, :, None],
+                         cand].add(bias)
+
+
+def rescored_drafts(cfg: ModelConfig, drafter: Drafter, logits_BxSxV, bonus_B,
+                    hist_BxT, upto_B, pick):
+  """Slot-by-slot drafting under the n-gram prior: slot 1 re-scored after the
+  bonus, slot j after the drafts `pick` chose for the slots before it.
+  `pick(j, logits_BxV)` -> draft-vocabulary indices `[B]`; `hist[:, :upto+1]`
+  is each row's text through the bonus. Returns the re-scored logits
+  `[B, S, V']` and the picks `[B, S]`."""
+  _, cand = jax.lax.top_k(logits_BxSxV, drafter.config.rescore_top)  # all slots at once
+  prev2, prev = jnp.full_like(bonus_B, -1), bonus_B
+  rows, picks = [], []
+  for j in range(logits_BxSxV.shape[1]):
+    lg = rescored(cfg, drafter, logits_BxSxV[:, j:j + 1], prev2[:, None], prev[:, None],
+                  hist_BxT, upto_B[:, None], cand[:, j:j + 1])[:, 0]
+    idx = pick(j, lg)
+    rows.append(lg)
+    picks.append(idx)
+    prev2, prev = prev, to_token_ids(drafter.params, idx)
+  return jnp.stack(rows, 1), jnp.stack(picks, 1)
 
 
 # The decoding draft pytree's matmul weights (`[out, in]`, see

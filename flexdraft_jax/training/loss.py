@@ -116,7 +116,14 @@ def loss_sums(draft_params, target_params, cfg: ModelConfig, dcfg: DrafterConfig
   hm = hm.reshape(B, K, bs, -1)[:, :, 1:].reshape(B, K * S, -1)
   pos_BxKxS = masks.pos_BxM.reshape(B, K, bs)[:, :, 1:]
   bonus_BxM = jnp.repeat(bonus_B_K, S, axis=1)
-  logits = draft_logits(target_params, cfg, Drafter(dcfg, draft), hm, bonus_BxM)
+  context = None
+  if dcfg.rescores:  # the n-gram prior reads the true tokens before each slot
+    at = lambda d: jnp.take_along_axis(
+        tokens, jnp.clip(pos_BxKxS - d, 0, T - 1).reshape(B, K * S), axis=1)
+    first = jnp.tile(jnp.arange(S) == 0, K)[None]   # slot 1: after the bonus alone
+    context = (jnp.where(first, -1, at(2)), at(1), tokens, jnp.repeat(anchor + 1, S, axis=1))
+  logits = draft_logits(target_params, cfg, Drafter(dcfg, draft), hm, bonus_BxM,
+                        context=context)
   logits_BxKxSxV = logits.reshape(B, K, S, -1)
   label_BxKxS = jnp.take_along_axis(
       tokens, jnp.minimum(pos_BxKxS, T - 1).reshape(B, K * S), axis=1).reshape(B, K, S)

@@ -1,0 +1,118 @@
+"""Adds the n-gram prior (`drafter.ngram`) to a trained drafter.
+
+Run (from the repository root):
+  PYTHONPATH=. python launch/add_ngram.py \\
+    --drafter=flexdraft_jax/drafters/smollm2_135m_L8 --out=runs/ngram/drafter
+
+Counts the bigrams and trigrams of the config's regenerated answers (the
+training split: `train.num_eval` held-out answers are left out, so that
+`launch/format_gap.py` and the held-out τ stay held out), stores them with the
+drafter and sets the prior's weights: `--weight` λ on the data's n-gram PMI,
+`--context_trigram` / `--context_bigram` on an n-gram occurring in the row's
+own text, `--top` candidates re-scored per slot — or, with `--grid=λ:μ3:μ2,…`,
+the setting with the best walk τ on the held-out answers. The drafter's weights
+are untouched. Score it with `launch/offline_tau.py --drafters=OUT`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+
+from absl import app, flags
+from ml_collections import config_flags
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import offline_tau  # noqa: E402  (score(); defines --max_new_tokens, the answers' cap)
+
+flags.DEFINE_string("drafter", "flexdraft_jax/drafters/smollm2_135m_L8", "the trained drafter")
+flags.DEFINE_string("out", "runs/ngram/drafter", "where the drafter with its prior goes")
+flags.DEFINE_float("weight", 0.2, "λ: the data n-gram PMI's weight (0: no tables)")
+flags.DEFINE_float("context_trigram", 3.0, "μ3: bias where the trigram occurs in the row")
+flags.DEFINE_float("context_bigram", 2.0, "μ2: bias where the bigram occurs in the row")
+flags.DEFINE_float("smoothing_bi", 1.0, "additive smoothing of the bigram toward the unigram")
+flags.DEFINE_float("smoothing_tri", 2.0, "additive smoothing of the trigram toward the bigram")
+flags.DEFINE_integer("top", 32, "candidates re-scored per slot")
+flags.DEFINE_list("grid", [], "λ:μ3:μ2 settings to score on the held-out answers (walk τ, "
+                  "first 128 tokens); the best one is saved instead of the flags'")
+config_flags.DEFINE_config_file(
+    "config", "configs/smollm2_135m.py",
+    "the training config: its data (packed, regen_dir) and train.num_eval")
+FLAGS = flags.FLAGS
+
+
+def _best_on_held_out(target, drafter, config):
+  """The drafter config of the `--grid` setting with the best held-out walk τ."""
+  from flexdraft_jax.training import data
+  _, held = data.split_eval(data.load_records(config.data.regen_dir), config.train.num_eval)
+  prompts = [list(r.prompt_ids) for r in held]
+  answers = [list(r.answer_ids[:FLAGS.max_new_tokens]) for r in held]
+  print("| λ | μ3 | μ2 | held-out walk τ | acc 1 | acc 2 | acc 3 | acc 4 |\n"
+        "|---|---|---|---|---|---|---|---|", flush=True)
+  best = None
+  for setting in FLAGS.grid:
+    lam, mu3, mu2 = map(float, setting.split(":"))
+    dcfg = dataclasses.replace(drafter.config, ngram_weight=lam, context_trigram=mu3,
+                               context_bigram=mu2)
+    r = offline_tau.score(target, drafter._replace(config=dcfg), prompts, answers)
+    print(f"| {lam:g} | {mu3:g} | {mu2:g} | {r['walk_tau']:.3f} | "
+          + " | ".join(f"{a:.3f}" for a in r["acc"]) + " |", flush=True)
+    if best is None or r["walk_tau"] > best[0]:
+      best = (r["walk_tau"], dcfg)
+  return best[1]
+
+
+def main(argv):
+  del argv
+  import numpy as np
+  import flexdraft_jax as fd
+  from flexdraft_jax.drafter import checkpoint, ngram
+  from flexdraft_jax.drafter.model import Drafter
+  from flexdraft_jax.evaluation import sweep
+  from flexdraft_jax.training import data
+  config = FLAGS.config
+  target = fd.load_target(config.target)
+  src = sweep.resolve_path(FLAGS.drafter)
+  drafter = fd.load_drafter(src, target)
+  print(f"add_ngram: {src} -> {FLAGS.out}", flush=True)
+  dcfg = dataclasses.replace(
+      drafter.config, ngram_weight=FLAGS.weight, context_trigram=FLAGS.context_trigram,
+      context_bigram=FLAGS.context_bigram, ngram_smoothing_bi=FLAGS.smoothing_bi,
+      ngram_smoothing_tri=FLAGS.smoothing_tri, rescore_top=FLAGS.top,
+      ngram_bigrams=0, ngram_contexts=0, ngram_trigrams=0)
+  params = {k: v for k, v in drafter.params.items() if k != "ngram"}
+  record = {"weight": FLAGS.weight, "context_trigram": FLAGS.context_trigram,
+            "context_bigram": FLAGS.context_bigram, "top": FLAGS.top}
+  if FLAGS.weight:
+    data.use_packed(config.data)
+    train, _ = data.split_eval(data.load_records(config.data.regen_dir),
+                               config.train.num_eval)
+    vocab = (np.asarray(params["vocab"]) if "vocab" in params
+             else np.arange(target.config.vocab_size))
+    tables = ngram.build_tables(
+        [np.concatenate([r.prompt_ids[-2:], r.answer_ids]) for r in train], vocab,
+        target.config.vocab_size)
+    dcfg = dataclasses.replace(dcfg, ngram_bigrams=len(tables["bi_key"]),
+                               ngram_contexts=len(tables["ctx_key"]),
+                               ngram_trigrams=len(tables["tri_key"]))
+    params["ngram"] = tables
+    record.update(answers=len(train), data=config.data.get("packed") or config.data.regen_dir,
+                  bigrams=dcfg.ngram_bigrams, trigrams=dcfg.ngram_trigrams)
+    print(f"add_ngram: {len(train)} answers: {dcfg.ngram_bigrams} bigrams, "
+          f"{dcfg.ngram_contexts} two-token contexts, {dcfg.ngram_trigrams} trigrams",
+          flush=True)
+  dcfg.validate(target.config)
+  if FLAGS.grid:
+    dcfg = _best_on_held_out(target, Drafter(dcfg, params, drafter.target_fingerprint), config)
+    record.update(weight=dcfg.ngram_weight, context_trigram=dcfg.context_trigram,
+                  context_bigram=dcfg.context_bigram, chosen_on="held-out walk τ")
+  meta = checkpoint.read_meta(src)
+  out = Drafter(dcfg, params, drafter.target_fingerprint)
+  checkpoint.save_drafter(FLAGS.out, out, target,
+                          training=dict(meta.get("training", {}), ngram=record))
+  print(f"add_ngram: wrote {FLAGS.out}", flush=True)
+
+
+if __name__ == "__main__":
+  app.run(main)
