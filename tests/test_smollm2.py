@@ -55,6 +55,8 @@ def test_shipped_drafter_drafts_losslessly(smollm2_target):
   drafter = fd.load_drafter(resolve_path(SHIPPED_DRAFTER), smollm2_target)
   k = drafter.config.draft_vocab
   assert k and drafter.params["vocab"].shape == (k,)
+  assert drafter.config.rescores   # it drafts under its n-gram prior
+  assert drafter.params["ngram"]["tri_key"].shape == (drafter.config.ngram_trigrams,)
   ids = smollm2_target.tokenizer.apply_chat_template(PROMPTS[2])
   ref = fd.generate(smollm2_target, [ids], max_new_tokens=MAX_NEW)
   for mode in ("sequential", "flex"):
