@@ -28,7 +28,8 @@ import offline_tau  # noqa: E402  (score(); defines --max_new_tokens, the answer
 
 flags.DEFINE_string("drafter", "flexdraft_jax/drafters/smollm2_135m_L8", "the trained drafter")
 flags.DEFINE_string("out", "runs/ngram/drafter", "where the drafter with its prior goes")
-flags.DEFINE_float("weight", 0.2, "λ: the data n-gram PMI's weight (0: no tables)")
+flags.DEFINE_float("weight", 0.2, "λ: the data n-gram PMI's weight (0, and no --grid λ: "
+                   "no tables)")
 flags.DEFINE_float("context_trigram", 3.0, "μ3: bias where the trigram occurs in the row")
 flags.DEFINE_float("context_bigram", 2.0, "μ2: bias where the bigram occurs in the row")
 flags.DEFINE_float("smoothing_bi", 1.0, "additive smoothing of the bigram toward the unigram")
@@ -42,10 +43,9 @@ config_flags.DEFINE_config_file(
 FLAGS = flags.FLAGS
 
 
-def _best_on_held_out(target, drafter, config):
-  """The drafter config of the `--grid` setting with the best held-out walk τ."""
-  from flexdraft_jax.training import data
-  _, held = data.split_eval(data.load_records(config.data.regen_dir), config.train.num_eval)
+def _best_on_held_out(target, drafter, held):
+  """The drafter config of the `--grid` setting with the best walk τ on the
+  held-out records."""
   prompts = [list(r.prompt_ids) for r in held]
   answers = [list(r.answer_ids[:FLAGS.max_new_tokens]) for r in held]
   print("| λ | μ3 | μ2 | held-out walk τ | acc 1 | acc 2 | acc 3 | acc 4 |\n"
@@ -84,10 +84,11 @@ def main(argv):
   params = {k: v for k, v in drafter.params.items() if k != "ngram"}
   record = {"weight": FLAGS.weight, "context_trigram": FLAGS.context_trigram,
             "context_bigram": FLAGS.context_bigram, "top": FLAGS.top}
-  if FLAGS.weight:
+  if FLAGS.weight or FLAGS.grid:
     data.use_packed(config.data)
-    train, _ = data.split_eval(data.load_records(config.data.regen_dir),
-                               config.train.num_eval)
+    train, held = data.split_eval(data.load_records(config.data.regen_dir),
+                                  config.train.num_eval)
+  if FLAGS.weight or any(float(g.split(":")[0]) for g in FLAGS.grid):
     vocab = (np.asarray(params["vocab"]) if "vocab" in params
              else np.arange(target.config.vocab_size))
     tables = ngram.build_tables(
@@ -104,7 +105,7 @@ def main(argv):
           flush=True)
   dcfg.validate(target.config)
   if FLAGS.grid:
-    dcfg = _best_on_held_out(target, Drafter(dcfg, params, drafter.target_fingerprint), config)
+    dcfg = _best_on_held_out(target, Drafter(dcfg, params, drafter.target_fingerprint), held)
     record.update(weight=dcfg.ngram_weight, context_trigram=dcfg.context_trigram,
                   context_bigram=dcfg.context_bigram, chosen_on="held-out walk τ")
   meta = checkpoint.read_meta(src)

@@ -38,8 +38,6 @@ import numpy as np
 from flexdraft_jax.model.config import FlexDraftError
 
 INT32_MAX = 2 ** 31 - 1
-TABLE_KEYS = ("index", "uni_logp", "prev_count", "bi_key", "bi_count", "ctx_key",
-              "ctx_count", "tri_key", "tri_count")
 
 
 def table_shapes(vocab_size: int, K: int, nb: int, nc: int, nt: int) -> dict:
