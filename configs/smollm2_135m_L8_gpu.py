@@ -3,7 +3,7 @@
   PYTHONPATH=. python launch/device_pipeline.py --config configs/smollm2_135m_L8_gpu.py \
       --out=runs/pipeline --minutes=9
 
-is what a lent GPU runs (README: "Training on a lent GPU"): the recipe of the
+is what an accelerator host runs (README: "Training a drafter"): the recipe of the
 CPU line that made flexdraft_jax/drafters/smollm2_135m_L8 (L = 8, the clean pass
 inside each step, 64 anchor blocks a sequence, a constant rate with a moving
 average, the prompt variants four times an epoch), continued from that drafter,

@@ -1,9 +1,9 @@
 """A random tiny target (`random:tiny`, see flexdraft_jax/model/random_target.py) for tests.
 
   python -m flexdraft_jax regenerate --config configs/tiny_test.py \
-      --config.data.regen_dir=/tmp/tiny_regen
+      --config.data.regen_dir=runs/tiny_regen
   python -m flexdraft_jax train --config configs/tiny_test.py \
-      --config.data.regen_dir=/tmp/tiny_regen --workdir /tmp/tiny_run
+      --config.data.regen_dir=runs/tiny_regen --workdir runs/tiny_run
 
 Other random targets: --config.target=random:tiny-qwen3 (qk-norm, untied head)
 or random:tiny-qwen2 (q/k/v biases); an optional :SEED suffix picks the weights.

@@ -1,4 +1,5 @@
-"""`python -m flexdraft_jax COMMAND [flags]`: generate, regenerate, train, eval."""
+"""`python -m flexdraft_jax COMMAND [flags]`: generate, regenerate, train, eval, and
+the drafter tools (add-ngram, offline-tau, learning-curve, build-kernel)."""
 
 import importlib
 import sys
@@ -8,6 +9,10 @@ COMMANDS = {
     "regenerate": "flexdraft_jax.training.regenerate",
     "train": "flexdraft_jax.training.train",
     "eval": "flexdraft_jax.evaluation.sweep",
+    "add-ngram": "flexdraft_jax.training.add_ngram",
+    "offline-tau": "flexdraft_jax.training.offline_tau",
+    "learning-curve": "flexdraft_jax.training.learning_curve",
+    "build-kernel": "flexdraft_jax.kernels.cpu_matmul",
 }
 
 

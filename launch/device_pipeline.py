@@ -1,4 +1,4 @@
-"""The drafter pipeline in one time-boxed run, for a lent accelerator.
+"""The drafter pipeline in one time-boxed run, for a machine with an accelerator.
 
   PYTHONPATH=. python launch/device_pipeline.py --config=configs/smollm2_135m_L8_gpu.py \
       --out=runs/pipeline --minutes=9 [--regen_minutes=2] [--config.train.X=...]
@@ -16,7 +16,8 @@ short still leaves what it finished:
      the step on a random target of the same shapes and sets `train.num_steps`
      (and the cool-down, `train.decay_steps` = --decay_fraction of it) to the
      steps that fit, so the rate falls to 0 as the time runs out.
-  3. the learning curve of the run (launch/learning_curve.py: curve.png, curve.md).
+  3. the learning curve of the run (`python -m flexdraft_jax learning-curve`:
+     curve.png, curve.md).
   4. drafter.tar.xz (--archive): best_drafter/ in one compressed file, and
      summary.json: what each stage took, mask rows/s, held-out τ.
 """
@@ -185,9 +186,9 @@ def main(argv):
   t0 = time.perf_counter()
   metrics = os.path.join(workdir, "metrics.csv")
   curve = subprocess.run(
-      [sys.executable, os.path.join(REPO, "launch", "learning_curve.py"),
-       f"--metrics={metrics}", f"--out={os.path.join(out, 'curve')}",
-       f"--title={config.name}"], capture_output=True, text=True,
+      [sys.executable, "-m", "flexdraft_jax", "learning-curve", f"--metrics={metrics}",
+       f"--out={os.path.join(out, 'curve')}", f"--title={config.name}"],
+      capture_output=True, text=True,
       env=dict(os.environ, PYTHONPATH=REPO))
   if curve.returncode:
     _log("learning curve failed: " + (curve.stderr.strip().splitlines() or ["?"])[-1])

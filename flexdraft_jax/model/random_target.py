@@ -56,7 +56,7 @@ RANDOM_CONFIGS = {
                               model_type="qwen3"),
     "tiny-qwen2": ModelConfig(**_BASE, attention_bias=True, model_type="qwen2"),
     # SmolLM2-135M's shapes with random weights: times the real model's steps
-    # (launch/bench_train.py, launch/device_pipeline.py's --probe) where its
+    # (launch/experiments/bench_train.py, launch/device_pipeline.py's --probe) where its
     # weights are not at hand.
     "smollm2-135m-shape": ModelConfig(**dict(
         _BASE, vocab_size=49152, hidden_size=576, intermediate_size=1536,

@@ -1,4 +1,4 @@
-"""The decode state of a real run, for the step profilers in launch/.
+"""The decode state of a real run, for the step profilers in launch/experiments/.
 
 `first_chunk(target, drafter, prompts)` decodes `prompts` (sequential mode,
 the chat template, stops off) and returns the first jitted chunk's arguments —

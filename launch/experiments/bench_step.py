@@ -1,7 +1,7 @@
 """Step costs: ms and GFLOP per decode step for each (mode, verify length k, batch),
 next to AR, and the GFLOP/s achieved against this machine's matmul peak.
 
-  PYTHONPATH=. python launch/bench_step.py --batch_sizes=1,4,16 --ks=2,3,5,9,16
+  PYTHONPATH=. python launch/experiments/bench_step.py --batch_sizes=1,4,16 --ks=2,3,5,9,16
 
 These are the inputs of flex's cost model (predicted tokens/s = τ(k) / cost):
 a step that verifies k positions pays for k tokens through every layer plus the

@@ -1,7 +1,7 @@
 """The drafter recipe A/B: short runs at the same number of mask rows, one table.
 
-  PYTHONPATH=. python launch/recipe_ab.py --rows=49152 \
-      --runs=/work/runs/ab --deep_kv_dir=/work/runs/deep_kv \
+  PYTHONPATH=. python launch/experiments/recipe_ab.py --rows=49152 \
+      --runs=runs/ab --deep_kv_dir=runs/deep_kv \
       --out=docs/results/recipe_ab.md
 
 Each variant is `configs/smollm2_135m.py` with a few overrides, trained from
@@ -112,7 +112,7 @@ def main(argv):
       f"{EVAL['train.num_eval']} held-out sequences × {EVAL['train.eval_anchors']} "
       "anchor blocks.", "",
       "```bash",
-      "PYTHONPATH=. python launch/recipe_ab.py --rows=%d --deep_kv_dir=DIR" % FLAGS.rows,
+      "PYTHONPATH=. python launch/experiments/recipe_ab.py --rows=%d --deep_kv_dir=DIR" % FLAGS.rows,
       "```", "",
       "| variant | change | steps | offline τ | acc 1 | acc 2 | acc 3 | acc 4 | loss |",
       "|---|---|---|---|---|---|---|---|---|"]

@@ -1,6 +1,6 @@
 """Where an AR decode step of SmolLM2-135M goes, on this machine (ms per step).
 
-  PYTHONPATH=. python launch/profile_ar_step.py --batch=16 --context=110 --cache_slots=256
+  PYTHONPATH=. python launch/experiments/profile_ar_step.py --batch=16 --context=110 --cache_slots=256
 
 Each part runs `--iters` times inside one jitted loop (best of `--reps`),
 through the library's own functions:

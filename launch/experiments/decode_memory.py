@@ -1,8 +1,8 @@
 """Device memory a decode job holds, stacked vs per-layer target layout.
 
 Run (from the repository root):
-  PYTHONPATH=. python launch/decode_memory.py --layout=layers
-  PYTHONPATH=. python launch/decode_memory.py --layout=stacked
+  PYTHONPATH=. python launch/experiments/decode_memory.py --layout=layers
+  PYTHONPATH=. python launch/experiments/decode_memory.py --layout=stacked
 
 Loads SmolLM2-135M and the shipped drafter, generates once (sequential mode,
 16 tokens) and prints the bytes of the target's weights, of every live device

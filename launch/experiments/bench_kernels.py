@@ -22,9 +22,9 @@ first run on a new device doubles as a correctness check of the compiled
 backward of the training layout (grads into q and mask K/V) on the device.
 
 Run (one command, from the repository root):
-  GPU or TPU:  PYTHONPATH=. python launch/bench_kernels.py
+  GPU or TPU:  PYTHONPATH=. python launch/experiments/bench_kernels.py
                (add --grad_check for the backward check)
-  CPU smoke:   PYTHONPATH=. python launch/bench_kernels.py --interpret \\
+  CPU smoke:   PYTHONPATH=. python launch/experiments/bench_kernels.py --interpret \\
                  --models=smollm2_135m --batches=1 --groups=0,4
                (interpret mode: checks that it runs; the timings are
                meaningless.)

@@ -1,6 +1,6 @@
 """The decode layout's transposed matmul weights against plain `[in, out]` ones.
 
-  PYTHONPATH=. python launch/bench_layout.py --batch=1
+  PYTHONPATH=. python launch/experiments/bench_layout.py --batch=1
 
 Decoding holds the target's and the drafter's matmul weights as `[out, in]`
 (`transformer.decode_layer`) and computes `W @ x.T` (`transformer.matmul_t`).
@@ -21,7 +21,7 @@ import time
 
 from absl import app, flags
 
-from launch import decode_state
+from flexdraft_jax.decoding import capture
 
 flags.DEFINE_integer("batch", 1, "rows per step")
 flags.DEFINE_list("ks", ["2", "3", "4", "5", "8"], "verify lengths of the sequential steps")
@@ -52,7 +52,7 @@ def main(argv):
 
   target = fd.load_target("smollm2-135m", layout="layers")
   drafter = fd.load_drafter(sweep.resolve_path(FLAGS.drafter), target)
-  (tp, dp, state), kw = decode_state.first_chunk(target, drafter, [PROMPT] * FLAGS.batch)
+  (tp, dp, state), kw = capture.first_chunk(target, drafter, [PROMPT] * FLAGS.batch)
   real = chunk.run_chunk
   weights = {"transposed": (tp, dp),
              "plain": (dict(tp, layers=plain(tp["layers"])),

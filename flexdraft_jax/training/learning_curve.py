@@ -1,6 +1,6 @@
 """The drafter's learning curve: held-out τ and slot accuracy vs mask rows seen.
 
-  PYTHONPATH=. python launch/learning_curve.py --metrics=RUN/metrics.csv \
+  python -m flexdraft_jax learning-curve --metrics=RUN/metrics.csv \
       --out=docs/results/learning_curve
 
 Reads the eval rows of one or more training runs' metrics.csv (a run that
@@ -19,15 +19,6 @@ import csv
 import os
 
 import numpy as np
-from absl import app, flags
-
-FLAGS = flags.FLAGS
-flags.DEFINE_list("metrics", [], "metrics.csv files, oldest run first")
-flags.DEFINE_string("out", "docs/results/learning_curve", "output path without suffix")
-flags.DEFINE_string("title", "SmolLM2-135M drafter", "plot title")
-flags.DEFINE_string("label", "held-out τ", "legend label of --metrics' τ curve")
-flags.DEFINE_list("compare", [], "earlier runs' τ curves to overlay: LABEL=metrics.csv "
-                  "(LABEL=a.csv+b.csv for a warm-started continuation)")
 
 
 def _rows(paths, column: str):
@@ -61,23 +52,26 @@ def fit(points) -> tuple:
   return a, b
 
 
-def main(argv):
-  del argv
+def write_curve(metrics: list, out: str, *, title: str = "SmolLM2-135M drafter",
+                label: str = "held-out τ", compare=()) -> str:
+  """Writes `out`.png and `out`.md from the eval rows of the `metrics` files;
+  `compare` holds "LABEL=a.csv[+b.csv]" curves to overlay. Returns the table."""
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
   import matplotlib.ticker
-  points = eval_points(FLAGS.metrics)
+  from flexdraft_jax.model.config import FlexDraftError
+  points = eval_points(metrics)
   if not points:
-    raise SystemExit("no eval rows with mask_rows in " + ", ".join(FLAGS.metrics))
+    raise FlexDraftError("no eval rows with mask_rows in " + ", ".join(metrics))
   rows = np.array([p[0] for p in points])
   fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-  ax1.plot(rows, [p[1] for p in points], "o-", label=FLAGS.label)
-  variants = variant_points(FLAGS.metrics)
+  ax1.plot(rows, [p[1] for p in points], "o-", label=label)
+  variants = variant_points(metrics)
   if variants:
     ax1.plot(list(variants), list(variants.values()), "^-",
              label="the same, the prompt variants' formats")
-  for spec in FLAGS.compare:
+  for spec in compare:
     label, _, paths = spec.partition("=")
     other = eval_points(paths.split("+"))
     ax1.plot([p[0] for p in other], [p[1] for p in other], "s:", alpha=0.7, label=label)
@@ -101,10 +95,10 @@ def main(argv):
   ax2.set_xlabel("mask rows seen")
   ax2.set_ylabel("top-1 accuracy")
   ax2.legend()
-  fig.suptitle(FLAGS.title)
+  fig.suptitle(title)
   fig.tight_layout()
-  os.makedirs(os.path.dirname(os.path.abspath(FLAGS.out)), exist_ok=True)
-  fig.savefig(FLAGS.out + ".png", dpi=110)
+  os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+  fig.savefig(out + ".png", dpi=110)
 
   lines = ["| mask rows | offline τ | acc 1 | acc 2 | acc 3 | acc 4 |",
            "|---|---|---|---|---|---|"]
@@ -121,10 +115,35 @@ def main(argv):
               f"predicted {preds}."]
   elif line:
     lines += ["", "The later half of the curve is flat or falling: no prediction."]
-  with open(FLAGS.out + ".md", "w") as f:
+  with open(out + ".md", "w") as f:
     f.write("\n".join(lines) + "\n")
-  print("\n".join(lines))
+  return "\n".join(lines)
 
 
-if __name__ == "__main__":
-  app.run(main)
+def run(argv):
+  """Entry from `python -m flexdraft_jax learning-curve`."""
+  from absl import flags
+
+  from flexdraft_jax import cli_util
+  names = ("metrics", "out", "title", "label", "compare")
+  for name in names:
+    if name in flags.FLAGS:
+      delattr(flags.FLAGS, name)
+  flags.DEFINE_list("metrics", [], "(required) metrics.csv files, oldest run first")
+  flags.DEFINE_string("out", "docs/results/learning_curve", "output path without suffix")
+  flags.DEFINE_string("title", "SmolLM2-135M drafter", "plot title")
+  flags.DEFINE_string("label", "held-out τ", "legend label of --metrics' τ curve")
+  flags.DEFINE_list("compare", [], "earlier runs' τ curves to overlay: LABEL=metrics.csv "
+                    "(LABEL=a.csv+b.csv for a warm-started continuation)")
+  FLAGS = flags.FLAGS
+
+  def main(args):
+    from flexdraft_jax.model.config import FlexDraftError
+    if len(args) > 1:
+      raise FlexDraftError(f"unexpected arguments: {' '.join(args[1:])}")
+    if not FLAGS.metrics:
+      raise FlexDraftError("--metrics is required")
+    print(write_curve(FLAGS.metrics, FLAGS.out, title=FLAGS.title, label=FLAGS.label,
+                      compare=FLAGS.compare))
+
+  cli_util.run_main(main, argv, doc=__doc__, key_flags=names)

@@ -1,7 +1,7 @@
 """Drafter training throughput: mask rows per second of the real train step.
 
-  PYTHONPATH=. python launch/bench_train.py --config configs/smollm2_135m.py \
-      --config.train.deep_kv_dir=/work/runs/deep_kv --steps=12
+  PYTHONPATH=. python launch/experiments/bench_train.py --config configs/smollm2_135m.py \
+      --config.train.deep_kv_dir=runs/deep_kv --steps=12
 
 Builds the trainer exactly as `train` does (target, records, the precomputed
 clean K/V, the jitted step), runs one untimed step of each batch width the timed

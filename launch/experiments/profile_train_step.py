@@ -1,6 +1,6 @@
 """Where a drafter training step's time goes, op by op (jax.profiler on XLA:CPU).
 
-  PYTHONPATH=. python launch/profile_train_step.py --config configs/smollm2_135m.py \
+  PYTHONPATH=. python launch/experiments/profile_train_step.py --config configs/smollm2_135m.py \
       --config.drafter.num_layers=8 --config.train.precompute_kv=False \
       --config.train.batch_size=4 --config.train.anchors_per_seq=64 --steps=2
 

@@ -1,51 +1,57 @@
 """Adds the n-gram prior (`drafter.ngram`) to a trained drafter.
 
-Run (from the repository root):
-  PYTHONPATH=. python launch/add_ngram.py \\
-    --drafter=flexdraft_jax/drafters/smollm2_135m_L8 --out=runs/ngram/drafter
+  python -m flexdraft_jax add-ngram \\
+      --drafter=flexdraft_jax/drafters/smollm2_135m_L8 --out=runs/ngram/drafter
 
 Counts the bigrams and trigrams of the config's regenerated answers (the
 training split: `train.num_eval` held-out answers are left out, so that
-`launch/format_gap.py` and the held-out τ stay held out), stores them with the
+the held-out τ stays held out), stores them with the
 drafter and sets the prior's weights: `--weight` λ on the data's n-gram PMI,
 `--context_trigram` / `--context_bigram` on an n-gram occurring in the row's
 own text, `--top` candidates re-scored per slot — or, with `--grid=λ:μ3:μ2,…`,
 the setting with the best walk τ on the held-out answers. The drafter's weights
-are untouched. Score it with `launch/offline_tau.py --drafters=OUT`.
+are untouched. Score it with `python -m flexdraft_jax offline-tau --drafters=OUT`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
-import sys
 
-from absl import app, flags
-from ml_collections import config_flags
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import offline_tau  # noqa: E402  (score(); defines --max_new_tokens, the answers' cap)
-
-flags.DEFINE_string("drafter", "flexdraft_jax/drafters/smollm2_135m_L8", "the trained drafter")
-flags.DEFINE_string("out", "runs/ngram/drafter", "where the drafter with its prior goes")
-flags.DEFINE_float("weight", 0.2, "λ: the data n-gram PMI's weight (0, and no --grid λ: "
-                   "no tables)")
-flags.DEFINE_float("context_trigram", 3.0, "μ3: bias where the trigram occurs in the row")
-flags.DEFINE_float("context_bigram", 2.0, "μ2: bias where the bigram occurs in the row")
-flags.DEFINE_float("smoothing_bi", 1.0, "additive smoothing of the bigram toward the unigram")
-flags.DEFINE_float("smoothing_tri", 2.0, "additive smoothing of the trigram toward the bigram")
-flags.DEFINE_integer("top", 32, "candidates re-scored per slot")
-flags.DEFINE_list("grid", [], "λ:μ3:μ2 settings to score on the held-out answers (walk τ, "
-                  "first 128 tokens); the best one is saved instead of the flags'")
-config_flags.DEFINE_config_file(
-    "config", "configs/smollm2_135m.py",
-    "the training config: its data (packed, regen_dir) and train.num_eval")
-FLAGS = flags.FLAGS
+def _define_flags(argv) -> tuple:
+  """Defines this command's flags; returns their names."""
+  from absl import flags
+  from ml_collections import config_flags
+  names = ("drafter", "out", "weight", "context_trigram", "context_bigram", "smoothing_bi",
+           "smoothing_tri", "top", "grid", "max_new_tokens", "config")
+  for name in list(flags.FLAGS):
+    if name in names or name.startswith("config."):
+      delattr(flags.FLAGS, name)
+  flags.DEFINE_string("drafter", "flexdraft_jax/drafters/smollm2_135m_L8", "the trained drafter")
+  flags.DEFINE_string("out", "runs/ngram/drafter", "where the drafter with its prior goes")
+  flags.DEFINE_float("weight", 0.2, "λ: the data n-gram PMI's weight (0, and no --grid λ: "
+                     "no tables)")
+  flags.DEFINE_float("context_trigram", 3.0, "μ3: bias where the trigram occurs in the row")
+  flags.DEFINE_float("context_bigram", 2.0, "μ2: bias where the bigram occurs in the row")
+  flags.DEFINE_float("smoothing_bi", 1.0, "additive smoothing of the bigram toward the unigram")
+  flags.DEFINE_float("smoothing_tri", 2.0, "additive smoothing of the trigram toward the bigram")
+  flags.DEFINE_integer("top", 32, "candidates re-scored per slot")
+  flags.DEFINE_list("grid", [], "λ:μ3:μ2 settings to score on the held-out answers (walk τ, "
+                    "first --max_new_tokens tokens); the best one is saved instead of the flags'")
+  flags.DEFINE_integer("max_new_tokens", 128, "answer tokens scored per held-out answer")
+  config_flags.DEFINE_config_file(
+      "config", "configs/smollm2_135m.py",
+      "the training config: its data (packed, regen_dir) and train.num_eval",
+      sys_argv=list(argv))
+  return names
 
 
 def _best_on_held_out(target, drafter, held):
   """The drafter config of the `--grid` setting with the best walk τ on the
   held-out records."""
+  from absl import flags
+  from flexdraft_jax.training import offline_tau
+  FLAGS = flags.FLAGS
   prompts = [list(r.prompt_ids) for r in held]
   answers = [list(r.answer_ids[:FLAGS.max_new_tokens]) for r in held]
   print("| λ | μ3 | μ2 | held-out walk τ | acc 1 | acc 2 | acc 3 | acc 4 |\n"
@@ -55,7 +61,8 @@ def _best_on_held_out(target, drafter, held):
     lam, mu3, mu2 = map(float, setting.split(":"))
     dcfg = dataclasses.replace(drafter.config, ngram_weight=lam, context_trigram=mu3,
                                context_bigram=mu2)
-    r = offline_tau.score(target, drafter._replace(config=dcfg), prompts, answers)
+    r = offline_tau.score(target, drafter._replace(config=dcfg), prompts, answers,
+                          FLAGS.max_new_tokens)
     print(f"| {lam:g} | {mu3:g} | {mu2:g} | {r['walk_tau']:.3f} | "
           + " | ".join(f"{a:.3f}" for a in r["acc"]) + " |", flush=True)
     if best is None or r["walk_tau"] > best[0]:
@@ -64,7 +71,11 @@ def _best_on_held_out(target, drafter, held):
 
 
 def main(argv):
-  del argv
+  from absl import flags
+  from flexdraft_jax.model.config import FlexDraftError
+  if len(argv) > 1:
+    raise FlexDraftError(f"unexpected arguments: {' '.join(argv[1:])}")
+  FLAGS = flags.FLAGS
   import numpy as np
   import flexdraft_jax as fd
   from flexdraft_jax.drafter import checkpoint, ngram
@@ -115,5 +126,8 @@ def main(argv):
   print(f"add_ngram: wrote {FLAGS.out}", flush=True)
 
 
-if __name__ == "__main__":
-  app.run(main)
+def run(argv):
+  """Entry from `python -m flexdraft_jax add-ngram`."""
+  from flexdraft_jax import cli_util
+  names = _define_flags(argv)
+  cli_util.run_main(main, argv, doc=__doc__, key_flags=names)

@@ -1,7 +1,7 @@
 """Greedy AR decode tokens/s of flexdraft_jax vs HF transformers, SmolLM2-135M, CPU.
 
-  PYTHONPATH=. python launch/bench_ar.py --batch_sizes=1,16 --max_new_tokens=128 \\
-    --out=/tmp/bench_ar.json
+  PYTHONPATH=. python launch/experiments/bench_ar.py --batch_sizes=1,16 --max_new_tokens=128 \\
+    --out=runs/bench_ar.json
 
 Per batch size B, both implementations decode the same B GSM8K test prompts
 (chat template, greedy, stops off: exactly M = --max_new_tokens tokens a row),
@@ -16,7 +16,7 @@ against a measured copy bandwidth (np.copyto, read + write counted).
 
 --threads=N pins both to N threads (PJRT_NPROC for XLA:CPU, set before jax is
 imported; torch.set_num_threads). Timings on a shared machine are noisy: check
-the load averages printed at start and end. launch/profile_ar_step.py splits
+the load averages printed at start and end. launch/experiments/profile_ar_step.py splits
 our step into its parts.
 """
 

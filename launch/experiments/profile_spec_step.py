@@ -1,6 +1,6 @@
 """Where a sequential decode step of SmolLM2-135M + the shipped drafter goes (ms).
 
-  PYTHONPATH=. python launch/profile_spec_step.py --batch=1 --ks=1,2,4,8
+  PYTHONPATH=. python launch/experiments/profile_spec_step.py --batch=1 --ks=1,2,4,8
 
 A sequential step at verify length k is (1) the target over the k-position
 verify block, with the LM head at every position, then (2) the draft pass: one
@@ -29,7 +29,7 @@ import time
 
 from absl import app, flags
 
-from launch import decode_state
+from flexdraft_jax.decoding import capture
 
 flags.DEFINE_integer("batch", 1, "rows per step")
 flags.DEFINE_list("ks", ["1", "2", "4", "8"], "verify lengths to time")
@@ -60,7 +60,7 @@ def main(argv):
   ks = [int(k) for k in FLAGS.ks]
   # The decode state of a real run: the first chunk's arguments, copied before
   # the chunk consumes (donates) them.
-  (tp, dp, state), kw = decode_state.first_chunk(target, drafter, [PROMPT] * FLAGS.batch,
+  (tp, dp, state), kw = capture.first_chunk(target, drafter, [PROMPT] * FLAGS.batch,
                                                 draft_dtype=FLAGS.draft_dtype)
   real = chunk.run_chunk
   cfg, dcfg, sp = kw["cfg"], kw["dcfg"], kw["sp"]

@@ -1,9 +1,9 @@
 """Flex vs AR throughput, SmolLM2-135M + the shipped drafter, the same prompts.
 
 Run (one command, from the repository root):
-  PYTHONPATH=. python launch/bench_flex.py --batch_sizes=1,4,16 --max_new_tokens=64 \\
+  PYTHONPATH=. python launch/experiments/bench_flex.py --batch_sizes=1,4,16 --max_new_tokens=64 \\
     --repeats=3 --fixed=sequential:3,sequential:5,sequential:9,sequential:16,parallel:3,parallel:5 \\
-    --out=/tmp/bench_flex.json
+    --out=runs/bench_flex.json
 
 The decoding issue's goal is that flex's throughput is never below AR's: where
 speculation does not pay, flex must run plain AR steps at AR's speed. A sweep
