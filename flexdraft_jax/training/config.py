@@ -114,7 +114,7 @@ def base_config(name: str) -> ml_collections.ConfigDict:
       # after `train` began (target load, compiles and a warm start's first
       # eval included; with several processes, the first logged step past
       # it), as if it had reached num_steps there: a last eval,
-      # checkpoint and the exports. A run on a lent machine ends on time;
+      # checkpoint and the exports. A run with a time budget ends on time;
       # rerunning the command resumes it.
       max_minutes=0.0))
 

@@ -394,7 +394,7 @@ def held_out_variants(records: list, num_eval: int) -> list:
 
 
 def format_slices(records: list, source: str, num_eval: int, limit: int) -> dict:
-  """{name: records} of one source (`launch/format_gap.py`): answers to the mix's
+  """{name: records} of one source (`launch/experiments/format_gap.py`): answers to the mix's
   own prompts and to the `#bench` variant that training sees (`limit` each, a
   fixed shuffle), and the held-out questions' answers in both formats
   (`split_eval`, `held_out_variants`)."""
