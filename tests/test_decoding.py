@@ -855,8 +855,10 @@ def test_a_drafter_reading_the_bonus_decodes_losslessly_without_parallel(
     assert_lossless(target, prompts, ref.token_ids, out.token_ids)
     assert "parallel" not in {m for m, _ in out.stats["mode_steps"]}
   assert "parallel" not in timed and "sequential" in timed   # flex never considers it
-  with pytest.raises(fd.FlexDraftError, match="bonus_input"):
-    fd.generate(target, prompts, max_new_tokens=4, drafter=drafter, mode="parallel")
+  # parallel mode drafts it blind (lossless, with a warning that it was not trained so)
+  with pytest.warns(fd.FlexDraftWarning, match="without bonus_dropout"):
+    out = fd.generate(target, prompts, max_new_tokens=30, drafter=drafter, mode="parallel")
+  assert_lossless(target, prompts, ref.token_ids, out.token_ids)
   # prefill's drafts come after t0 and read it: without it (bonus_in = 0) they differ
   from flexdraft_jax.decoding import state as state_lib
   from flexdraft_jax.decoding.sampling import SamplingParams
@@ -873,3 +875,35 @@ def test_a_drafter_reading_the_bonus_decodes_losslessly_without_parallel(
     return np.asarray(st.drafts_BxD)
 
   assert not np.array_equal(first_drafts(drafter), first_drafts(plain))
+
+
+def test_a_drafter_trained_blind_too_runs_every_mode(target, cost_cache, monkeypatch):
+  # bonus_dropout > 0: the same weights draft blind inside the verify forward
+  # (parallel mode: slot 0 is the mask alone) and with the bonus after it
+  # (sequential); flex weighs both.
+  import dataclasses
+  import warnings
+  from flexdraft_jax.decoding import state as state_lib
+  prompts = prompts_for(3, seed=4)
+  reading = bonus_drafter(target)
+  drafter = reading._replace(config=dataclasses.replace(reading.config, bonus_dropout=0.5))
+  assert drafter.config.drafts_blind and not reading.config.drafts_blind
+  ref = fd.generate(target, prompts, max_new_tokens=30)
+  timed = []
+  real = driver.Driver._time
+  monkeypatch.setattr(driver.Driver, "_time",
+                      lambda self, *a, **kw: timed.append(a[1]) or real(self, *a, **kw))
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", fd.FlexDraftWarning)
+    for kw in (dict(mode="parallel"), dict(mode="parallel", threshold=0.2),
+               dict(mode="sequential"), dict(mode="flex")):
+      out = fd.generate(target, prompts, max_new_tokens=30, drafter=drafter, **kw)
+      assert_lossless(target, prompts, ref.token_ids, out.token_ids)
+  assert "parallel" in timed and "sequential" in timed
+  # the parallel step's drafting groups read no bonus: the same as bonus_in = 0
+  masks = state_lib.mask_block(jnp.array([6]), jnp.array([5]), 2, 4)
+  blind = transformer.mask_input(target.params, drafter.params, masks, jnp.float32)
+  plain = transformer.mask_input(
+      target.params, dict(drafter.params, bonus_in=0 * drafter.params["bonus_in"]), masks,
+      jnp.float32)
+  np.testing.assert_array_equal(blind, plain)

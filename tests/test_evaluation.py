@@ -180,15 +180,17 @@ def test_plan_and_settings_errors():
     sweep._check_meta(meta, dict(meta, settings={"max_new_tokens": 16}), "W")
 
 
-def test_parallel_cells_are_not_run_for_a_drafter_that_reads_the_bonus():
+def test_parallel_cells_are_not_run_for_a_drafter_trained_only_to_read_the_bonus():
   import types
+  from flexdraft_jax.drafter.model import DrafterConfig
   config = sweep.default_config()
   config.eval.update(datasets="gsm8k", batch_sizes="1", modes="parallel,parallel_sel,sequential,flex")
   plan = sweep.plan_cells(config, [])
-  reads = {"main": types.SimpleNamespace(config=types.SimpleNamespace(bonus_input=True))}
-  plain = {"main": types.SimpleNamespace(config=types.SimpleNamespace(bonus_input=False))}
+  as_ = lambda **kw: {"main": types.SimpleNamespace(config=DrafterConfig(**kw))}
+  reads = as_(bonus_input=True)
   assert [c.mode for c in plan if sweep.runnable(c, reads)] == ["ar", "sequential", "flex"]
-  assert all(sweep.runnable(c, plain) for c in plan)
+  for drafters in (as_(bonus_input=False), as_(bonus_input=True, bonus_dropout=0.5)):
+    assert all(sweep.runnable(c, drafters) for c in plan)
 
 
 def test_report_speedup_is_tokens_per_second_ratio(tmp_path):

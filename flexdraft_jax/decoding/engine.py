@@ -244,10 +244,11 @@ def generate(target, prompts: Sequence, *, max_new_tokens: int = 128,
   if drafter is not None and mode != "ar":
     from flexdraft_jax.drafter.compat import check_compatible
     check_compatible(drafter, target)
-    if mode == "parallel" and drafter.config.bonus_input:
-      raise FlexDraftError("mode 'parallel' drafts in the verify forward, before the "
-                           "bonus is known, and this drafter reads the bonus "
-                           "(bonus_input): use 'sequential' or 'flex'")
+    if mode == "parallel" and not drafter.config.drafts_blind:
+      warnings.warn("mode 'parallel' drafts before the bonus is known and this drafter "
+                    "was trained to read it (bonus_input without bonus_dropout): it "
+                    "drafts blind, poorly; 'sequential' or 'flex' suit it",
+                    FlexDraftWarning, stacklevel=2)
     drafter = _with_block_size(drafter, block_size)
     if verify_len is not None and verify_len > drafter.config.block_size:
       raise FlexDraftError(f"verify_len={verify_len} exceeds the block size "

@@ -134,9 +134,10 @@ class FlexPolicy:
   def __init__(self, target, drafter, opts, buckets, time_step):
     self.target, self.drafter, self.opts = target, drafter, opts
     self.buckets, self.time_step = buckets, time_step
-    # A drafter that reads the bonus cannot draft in the verify forward.
-    self.modes = (("sequential",) if drafter.config.bonus_input
-                  else ("sequential", "parallel"))
+    # Parallel mode drafts in the verify forward, before the bonus is known:
+    # only for a drafter trained to draft so (DrafterConfig.drafts_blind).
+    self.modes = (("sequential", "parallel") if drafter.config.drafts_blind
+                  else ("sequential",))
     bs = drafter.config.block_size
     self.costs = None              # step costs at the current batch shape
     self.cost_path = cost_cache_path(getattr(opts, "cost_cache", "default"))

@@ -27,8 +27,13 @@ class DrafterConfig:
   per_slot_mask: bool = False  # a learned mask vector per block slot ([bs, H]).
   # Slot 0 (on the bonus's position) enters the deep layers as the mask plus
   # `embed(bonus) @ bonus_in` (SPEC §7): every slot can attend to the bonus.
-  # Needs the bonus before drafting: sequential mode only.
+  # Needs the bonus before drafting (sequential steps), unless trained blind too:
   bonus_input: bool = False
+  # The fraction of training blocks whose slot 0 entered as the mask alone
+  # (the bonus input dropped): > 0 means the same weights also draft blind,
+  # inside the verify forward of parallel mode, where the bonus is not yet
+  # known (calibration and the n-gram prior then read it).
+  bonus_dropout: float = 0.0
   # The n-gram prior (`drafter.ngram`, beyond the paper): each slot's
   # `rescore_top` likeliest drafts re-scored given the drafts before it, by the
   # data's n-grams (tables of these sizes in `params["ngram"]`, weight
@@ -49,6 +54,12 @@ class DrafterConfig:
     return self.ngram_bigrams > 0
 
   @property
+  def drafts_blind(self) -> bool:
+    """Whether the drafter was trained to draft before the bonus is known
+    (parallel mode): it reads no bonus input, or was trained with it dropped."""
+    return not self.bonus_input or self.bonus_dropout > 0
+
+  @property
   def rescores(self) -> bool:
     """Whether drafting re-scores slot by slot (the n-gram prior is on)."""
     return ((self.has_ngram_tables and self.ngram_weight != 0)
@@ -60,6 +71,9 @@ class DrafterConfig:
           f"drafter num_layers={self.num_layers} must be in [1, {cfg.num_layers}]")
     if self.block_size < 2:
       raise FlexDraftError(f"block_size={self.block_size} must be at least 2")
+    if not 0.0 <= self.bonus_dropout <= 1.0 or (self.bonus_dropout and not self.bonus_input):
+      raise FlexDraftError(f"bonus_dropout={self.bonus_dropout} must be in [0, 1], and 0 "
+                           "without bonus_input")
     if self.calib_rank < 1:
       raise FlexDraftError(f"calib_rank={self.calib_rank} must be at least 1")
     if not 0 <= self.draft_vocab <= cfg.vocab_size:

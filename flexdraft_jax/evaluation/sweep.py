@@ -163,14 +163,15 @@ def load_main_drafter(config, target) -> tuple:
 
 
 NO_PARALLEL = ("skipped: parallel mode drafts before the bonus is known and this "
-               "drafter reads it (bonus_input)")
+               "drafter was trained to read it (bonus_input without bonus_dropout)")
 
 
 def runnable(cell: Cell, drafters: dict) -> bool:
-  """False for a parallel cell of a drafter that reads the bonus (bonus_input)."""
+  """False for a parallel cell of a drafter that was not trained to draft
+  before the bonus is known (DrafterConfig.drafts_blind)."""
   if cell.mode == "ar" or MODES[cell.mode][0] != "parallel":
     return True
-  return not drafters[cell.drafter].config.bonus_input
+  return drafters[cell.drafter].config.drafts_blind
 
 
 def make_cell(dataset, batch_size, mode, temperature, theta, drafter="main") -> Cell:

@@ -64,8 +64,9 @@ class MaskRows(NamedTuple):
   pos_BxM: RoPE position of each mask row; limit_BxM: last cache slot it may
   see; group_M: its group id (rows of one group attend to each other);
   bonus_BxM: the bonus token of each row's group, for a drafter that reads it
-  at slot 0 (`bonus_in`), else None; block: a static int when the groups are
-  contiguous runs of that many rows (training's anchor blocks), so a
+  at slot 0 (`bonus_in`); None, or -1 for a group, drafts blind (slot 0 is
+  the mask alone: parallel mode, where the bonus is not known yet); block: a
+  static int when the groups are contiguous runs of that many rows (training's anchor blocks), so a
   mask-only pass scores each row against its own block's keys only.
   """
   pos_BxM: jax.Array
@@ -79,7 +80,8 @@ def mask_input(params, draft, masks: MaskRows, dtype):
   """Mask rows' hidden states at the split layer: the learned mask vector `[H]`,
   or per-slot vectors `[bs, H]`: row m gets the vector of its slot, its index
   within its group (groups are contiguous runs of `group_M`, in order). A
-  drafter with `bonus_in` adds `embed(bonus) @ bonus_in` at slot 0."""
+  drafter with `bonus_in` adds `embed(bonus) @ bonus_in` at slot 0 where the
+  bonus is known (>= 0)."""
   B, M = masks.pos_BxM.shape
   group = masks.group_M.astype(jnp.int32)
   slot = jnp.arange(M) - jnp.searchsorted(group, group, side="left")
@@ -87,13 +89,12 @@ def mask_input(params, draft, masks: MaskRows, dtype):
   if mask.ndim == 2:
     mask = mask[jnp.minimum(slot, mask.shape[0] - 1)]
   hm = jnp.broadcast_to(mask, (B, M, mask.shape[-1]))
-  if "bonus_in" not in draft:
+  if "bonus_in" not in draft or masks.bonus_BxM is None:
     return hm
-  if masks.bonus_BxM is None:
-    raise ValueError("this drafter reads the bonus at slot 0 (bonus_in): the mask "
-                     "rows need bonus_BxM")
-  e = embed(params, masks.bonus_BxM).astype(dtype) @ draft["bonus_in"].astype(dtype)
-  return hm + jnp.where((slot == 0)[None, :, None], e, 0).astype(dtype)
+  known = (slot == 0)[None, :] & (masks.bonus_BxM >= 0)
+  e = (embed(params, jnp.maximum(masks.bonus_BxM, 0)).astype(dtype)
+       @ draft["bonus_in"].astype(dtype))
+  return hm + jnp.where(known[..., None], e, 0).astype(dtype)
 
 
 def rms_norm(x, w, eps):

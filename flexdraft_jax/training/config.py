@@ -30,7 +30,10 @@ def base_config(name: str) -> ml_collections.ConfigDict:
 
   c.drafter = ml_collections.ConfigDict(dict(
       num_layers=4, block_size=16, calib_rank=256, calib_tied=False,
-      draft_vocab=0, per_slot_mask=False, bonus_input=False))
+      draft_vocab=0, per_slot_mask=False, bonus_input=False,
+      # > 0 (with bonus_input): that fraction of blocks trains blind, so the
+      # drafter serves parallel mode too (DrafterConfig.bonus_dropout)
+      bonus_dropout=0.0))
 
   c.data = ml_collections.ConfigDict()
   c.data.regen_dir = os.path.join(runs_root(), "regen", name)

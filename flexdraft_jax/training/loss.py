@@ -105,7 +105,12 @@ def loss_sums(draft_params, target_params, cfg: ModelConfig, dcfg: DrafterConfig
   masks = mask_rows(anchor, bs)
   bonus_B_K = jnp.take_along_axis(tokens, jnp.minimum(anchor + 1, T - 1), axis=1)
   if dcfg.bonus_input:
-    masks = masks._replace(bonus_BxM=jnp.repeat(bonus_B_K, bs, axis=1))
+    # Blocks drawn blind (`blind_BxK`, drafter.bonus_dropout) draft as parallel
+    # mode does, before the bonus is known: slot 0 is the mask alone.
+    seen_B_K = bonus_B_K
+    if "blind_BxK" in batch:
+      seen_B_K = jnp.where(batch["blind_BxK"], -1, bonus_B_K)
+    masks = masks._replace(bonus_BxM=jnp.repeat(seen_B_K, bs, axis=1))
   _, hm, _ = transformer.forward(target_params, cfg, cache, None, None,
                                  draft=draft, masks=masks,
                                  num_draft_layers=dcfg.num_layers,
