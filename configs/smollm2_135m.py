@@ -19,8 +19,8 @@ per draft layer in float32, 46 GB for L = 4 over the shipped 16,576 answers, hal
 with train.deep_kv_dtype=float16; the pass refuses a cache the disk cannot hold). On a fresh
 machine --config.train.precompute_kv=False --config.train.batch_size=4
 --config.train.anchors_per_seq=64 skips that pass (the clean pass runs in the
-step, shared by 64 anchor blocks a sequence; README: "Training without the clean
-K/V cache"); the L = 8 drafter flexdraft_jax/drafters/smollm2_135m_L8 was trained so.
+step, shared by 64 anchor blocks a sequence; docs/experiments.md, "Training
+without the clean K/V cache"); the L = 8 drafter flexdraft_jax/drafters/smollm2_135m_L8 was trained so.
 """
 
 import os

@@ -734,7 +734,7 @@ def _check_matches(reference, procs, workdir, devices, processes):
 def sharded_runs(request, tmp_path_factory):
   """The 8-device and 2x4-device runs start first, in the background, so their
   compiles and collective set-up overlap with the in-process tests (only when
-  this session runs the tests that read them)."""
+  this pytest run selects the tests that read them)."""
   selected = {item.originalname for item in request.session.items}
   runs = {}
   for name, devices, processes, model, test in (
