@@ -20,7 +20,8 @@ with train.deep_kv_dtype=float16; the pass refuses a cache the disk cannot hold)
 machine --config.train.precompute_kv=False --config.train.batch_size=4
 --config.train.anchors_per_seq=64 skips that pass (the clean pass runs in the
 step, shared by 64 anchor blocks a sequence; docs/experiments.md, "Training
-without the clean K/V cache"); the L = 8 drafter flexdraft_jax/drafters/smollm2_135m_L8 was trained so.
+without the clean K/V cache"); the L = 8 drafter flexdraft_jax/drafters/smollm2_135m_L8
+was trained so.
 """
 
 import os

@@ -46,6 +46,14 @@ def _define_flags(argv) -> tuple:
   return names
 
 
+def _portable(path: str) -> str:
+  """`path` relative to the working directory where it lies under it: the drafter's
+  record should not name one machine's directories."""
+  import os
+  rel = os.path.relpath(os.path.abspath(path))
+  return path if rel.startswith("..") else rel
+
+
 def _best_on_held_out(target, drafter, held):
   """The drafter config of the `--grid` setting with the best walk τ on the
   held-out records."""
@@ -109,7 +117,8 @@ def main(argv):
                                ngram_contexts=len(tables["ctx_key"]),
                                ngram_trigrams=len(tables["tri_key"]))
     params["ngram"] = tables
-    record.update(answers=len(train), data=config.data.get("packed") or config.data.regen_dir,
+    source = config.data.get("packed") or config.data.regen_dir
+    record.update(answers=len(train), data=_portable(source),
                   bigrams=dcfg.ngram_bigrams, trigrams=dcfg.ngram_trigrams)
     print(f"add_ngram: {len(train)} answers: {dcfg.ngram_bigrams} bigrams, "
           f"{dcfg.ngram_contexts} two-token contexts, {dcfg.ngram_trigrams} trigrams",
