@@ -907,3 +907,28 @@ def test_a_drafter_trained_blind_too_runs_every_mode(target, cost_cache, monkeyp
       target.params, dict(drafter.params, bonus_in=0 * drafter.params["bonus_in"]), masks,
       jnp.float32)
   np.testing.assert_array_equal(blind, plain)
+
+
+def test_tau_counts_emitted_tokens_only_overall_and_per_mode(target, cost_cache):
+  # A step that accepts past max_new_tokens commits tokens that are never
+  # emitted: τ leaves them out (committed_tokens keeps them, for diagnosis).
+  tgt = tiny_target(vocab=16, eos=0, scale=0.5, seed=4)
+  prompts = [[t % 16 for t in p] for p in prompts_for(4, seed=3)]
+  drafter = bigram_drafter(tgt, block_size=4)
+  over = 0
+  for max_new in (5, 6, 7, 9):
+    out = fd.generate(tgt, prompts, max_new_tokens=max_new, stop=[], drafter=drafter,
+                      mode="sequential")
+    s = out.stats
+    assert s["decode_tokens"] == sum(len(t) for t in out.token_ids) - len(prompts)
+    assert s["tau"] == pytest.approx(s["decode_tokens"] / s["verified_row_steps"])
+    assert s["committed_tokens"] >= s["decode_tokens"]
+    over += s["committed_tokens"] > s["decode_tokens"]
+    assert s["mode_tau"] == {"sequential": pytest.approx(s["tau"])}
+  assert over                            # some step committed past the end
+  out = fd.generate(tgt, prompts, max_new_tokens=24, stop=[], drafter=drafter,
+                    mode="flex", flex_threshold=2)
+  emitted = out.stats["mode_emitted"]
+  assert sum(t for _, t in emitted.values()) == out.stats["decode_tokens"]
+  assert sum(r for r, _ in emitted.values()) == out.stats["verified_row_steps"]
+  assert set(out.stats["mode_tau"]) == set(emitted)

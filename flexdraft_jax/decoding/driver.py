@@ -39,6 +39,7 @@ class Driver:
     self.mesh = mesh
     self.row_ids = np.arange(B)   # original row of each state row
     self.outputs = {}             # original row -> tokens, for rows compacted away
+    self.emitted = {}             # mode -> [row-steps, tokens emitted] (τ per mode)
 
   @property
   def timing_spans(self) -> list:
@@ -94,11 +95,15 @@ class Driver:
         n = 1 if selective else self.steps_per_call
       if self.policy:  # flex: probes are short, and so is AR until the next one
         n = self.policy.chunk_steps(self.B, mode, k, n)
-      before = np.asarray(state.accept_hist) if self.policy else None
+      before = np.asarray(state.accept_hist)
+      emitted = int(np.asarray(state.n_out_B).sum())
       start, refresh = time.perf_counter(), self._refreshes(mode)
       wall = timing.now()
       state = self._chunk(state, mode, k, n)
       done_steps, steps = int(state.steps) - steps, int(state.steps)  # waits for it
+      per_mode = self.emitted.setdefault(mode, [0, 0])
+      per_mode[0] += int(np.asarray(state.accept_hist).sum() - before.sum())
+      per_mode[1] += int(np.asarray(state.n_out_B).sum()) - emitted
       if self.policy:
         # A chunk that also refreshed stale drafts is not a plain (mode, k) step.
         self.policy.observe(np.asarray(state.accept_hist) - before, mode, k, B=self.B,
@@ -177,7 +182,8 @@ class Driver:
     return best
 
   def stats(self) -> dict:
-    out = {"group_counts": self.group_counts, "mode_steps": self.modes}
+    out = {"group_counts": self.group_counts, "mode_steps": self.modes,
+           "mode_emitted": {m: list(v) for m, v in self.emitted.items()}}
     if self.policy:
       out.update(self.policy.stats())
     return out

@@ -424,6 +424,21 @@ def _generate_batch(target, ids, max_new, sp, seed, drafter, mode, opts,
   return tokens, stats
 
 
+def mode_emitted(parts) -> dict:
+  """{mode: [row-steps, tokens emitted]} summed over stats `parts`."""
+  out = {}
+  for p in parts:
+    for m, (r, t) in p.get("mode_emitted", {}).items():
+      acc = out.setdefault(m, [0, 0])
+      acc[0], acc[1] = acc[0] + r, acc[1] + t
+  return out
+
+
+def mode_tau(parts) -> dict:
+  """{mode: τ of its steps, emitted tokens only} over stats `parts`."""
+  return {m: t / r for m, (r, t) in mode_emitted(parts).items() if r}
+
+
 def _merge_stats(parts, mode):
   s = {"mode": mode, "draft_dtype": parts[0]["draft_dtype"]}
   for k in ("prefill_seconds", "decode_seconds", "compile_seconds", "flex_timing_seconds",
@@ -439,7 +454,10 @@ def _merge_stats(parts, mode):
   # first token comes from the prefill forward) per second of decoding;
   # compiling and flex's step-cost timing are not decoding.
   s["tokens_per_second"] = timing.tokens_per_second(s["decode_tokens"], s["decode_seconds"])
-  s["tau"] = s["committed_tokens"] / max(s["verified_row_steps"], 1)
+  # τ (SPEC §5): tokens emitted per row verification (nothing past a stop or
+  # max_new_tokens: `committed_tokens` counts those too), overall and per mode
+  s["tau"] = s["decode_tokens"] / max(s["verified_row_steps"], 1)
+  s["mode_emitted"], s["mode_tau"] = mode_emitted(parts), mode_tau(parts)
   for k in ("group_counts", "mode_steps"):  # run-length [value, steps] lists
     s[k] = [x for p in parts for x in p.get(k, [])]
   if "flex_threshold" in parts[0]:

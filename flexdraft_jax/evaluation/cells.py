@@ -14,7 +14,7 @@ from typing import NamedTuple, Optional
 import ml_collections
 import numpy as np
 
-from flexdraft_jax.decoding import timing
+from flexdraft_jax.decoding import engine, timing
 from flexdraft_jax.decoding.chunk import parse_flex_threshold
 from flexdraft_jax.evaluation import benchmarks
 from flexdraft_jax.model.config import FlexDraftError
@@ -66,6 +66,7 @@ class Context(NamedTuple):
   drafters: dict       # variant -> Drafter
   prompts: dict        # dataset -> [BenchmarkPrompt]
   max_len: dict        # (dataset, turn) -> KV-cache length
+  options: dict = {}   # variant -> generate() options of its own (e.g. draft_dtype)
 
 
 def max_lens(target, prompts: dict, config, block: int) -> dict:
@@ -113,7 +114,9 @@ def _merge(stats: list) -> dict:
   s["accept_hist"] = hist.tolist()
   # as generate's stats: tokens of decode steps per decode second (SPEC §5)
   s["tokens_per_second"] = timing.tokens_per_second(s["decode_tokens"], s["decode_seconds"])
-  s["tau"] = s["committed_tokens"] / max(s["verified_row_steps"], 1)
+  # τ counts emitted tokens only (nothing past a stop or max_new_tokens)
+  s["tau"] = s["decode_tokens"] / max(s["verified_row_steps"], 1)
+  s["mode_emitted"], s["mode_tau"] = engine.mode_emitted(stats), engine.mode_tau(stats)
   groups = _run_lengths(stats, "group_counts")
   s["mean_groups"] = (sum(int(g) * n for g, n in groups.items()) / sum(groups.values())
                       if groups else None)
@@ -146,7 +149,8 @@ def _generate(ctx: Context, cell: Cell, rows: list, max_new: int = 0) -> tuple:
         strategy=ec.strategy, attn_impl=ec.attn_impl,
         # only the modes they act on get them (generate warns otherwise)
         flex_threshold=parse_flex_threshold(ec.flex_threshold, "eval.flex_threshold") if mode == "flex" else "auto",
-        block_size=(ec.block_size or None) if mode != "ar" else None)
+        block_size=(ec.block_size or None) if mode != "ar" else None,
+        **(ctx.options.get(cell.drafter, {}) if mode != "ar" else {}))
     for i, x, toks, text in zip(live, ids, res.token_ids, res.texts):
       answers[i].append(text)
       outputs[i].append([int(t) for t in toks])
