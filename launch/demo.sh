@@ -2,7 +2,7 @@
 # FlexDraft demo: SmolLM2-135M + its drafter on a math, a code and a chat prompt,
 # AR vs the best speculative mode (flex), texts, τ and the measured speedup.
 #
-# usage: bash launch/demo.sh [--max-new-tokens N] [--mode parallel|sequential|flex]
+# usage: bash launch/demo.sh [--max-new-tokens N] [--mode parallel|sequential|flex] [--batch-size B]
 #                            [--drafter DIR] [--threshold θ]
 # env:   FLEXDRAFT_VENV=DIR   use this virtualenv instead of .venv (made if missing)
 #        FLEXDRAFT_SETUP=1    rerun launch/setup.sh even when the install looks complete

@@ -332,6 +332,8 @@ def test_demo_runs_and_reports_speedup(tmp_path):
   assert "RANDOMLY INITIALISED" in out.stdout
   assert "=== math:" in out.stdout and "=== code:" in out.stdout and "=== chat:" in out.stdout
   assert "speedup over AR:" in out.stdout and "outputs identical to AR: True" in out.stdout
+  assert "decoding 3 prompts (batch 1)" in out.stdout   # one at a time by default
+  assert "steps per mode: parallel " in out.stdout and "(τ " in out.stdout
 
 
 def test_demo_speedup_below_run_to_run_noise_reads_about_1x():

@@ -6,6 +6,9 @@ speculative mode (default `flex`: it measures the step costs here and picks
 parallel, sequential or AR steps), both warmed up on the same prompts, and
 prints the texts, τ and the speedup over AR measured in this run (the median
 of a few timed runs each; "≈ 1×" when it is within their run-to-run spread).
+The prompts decode one at a time by default (`--batch-size 1`): on a CPU that is
+where speculation pays (a larger batch makes the verify forward compute-bound,
+and flex then runs AR steps).
 """
 
 from __future__ import annotations
@@ -37,6 +40,8 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--mode", default="flex", choices=("parallel", "sequential", "flex"))
   p.add_argument("--threshold", type=float, default=0.01, help="selective verification θ")
   p.add_argument("--max-new-tokens", type=int, default=64)
+  p.add_argument("--batch-size", type=int, default=1,
+                 help="prompts decoded together (1: one at a time)")
   p.add_argument("--repeats", type=int, default=3,
                  help="timed runs per mode (their spread is the noise a speedup must beat)")
   return p
@@ -46,7 +51,8 @@ def _timed(fd, target, ids, drafter, mode, args) -> tuple:
   """A warm-up generation (it compiles), then `args.repeats` timed ones;
   returns (the last result, tokens/s of each timed run)."""
   kw = dict(max_new_tokens=args.max_new_tokens, temperature=0.0, drafter=drafter,
-            mode=mode, threshold=args.threshold if mode != "ar" else 0.0)
+            mode=mode, threshold=args.threshold if mode != "ar" else 0.0,
+            batch_size=args.batch_size)
   t = time.perf_counter()
   fd.generate(target, ids, **kw)
   warm = time.perf_counter() - t
@@ -81,8 +87,8 @@ def speedup_text(ar_rates, spec_rates, only_ar_steps: bool = False) -> str:
 
 def main(argv=None) -> int:
   args = _parser().parse_args(argv)
-  if args.max_new_tokens < 1 or args.repeats < 2:
-    raise FlexDraftError("--max-new-tokens must be >= 1 and --repeats >= 2")
+  if args.max_new_tokens < 1 or args.repeats < 2 or args.batch_size < 1:
+    raise FlexDraftError("--max-new-tokens and --batch-size must be >= 1 and --repeats >= 2")
   if not 0 <= args.threshold <= 1:
     raise FlexDraftError(f"--threshold must be in [0, 1], got {args.threshold}")
   import jax
@@ -105,7 +111,7 @@ def main(argv=None) -> int:
   kw = benchmarks.chat_kwargs(target)
   ids = [benchmarks.render(target.tokenizer, [{"role": "user", "content": text}], kw)
          for _, text in PROMPTS]
-  print(f"decoding {len(ids)} prompts (batch {len(ids)}), max_new_tokens="
+  print(f"decoding {len(ids)} prompts (batch {min(args.batch_size, len(ids))}), max_new_tokens="
         f"{args.max_new_tokens}, T=0:", flush=True)
   ar, ar_rates = _timed(fd, target, ids, None, "ar", args)
   spec, spec_rates = _timed(fd, target, ids, drafter, args.mode, args)
@@ -115,7 +121,9 @@ def main(argv=None) -> int:
   same = ar.token_ids == spec.token_ids
   mode_steps = spec.stats.get("mode_steps", [])  # run-length [[mode, steps], …]
   steps = {m: sum(n for k, n in mode_steps if k == m) for m, _ in mode_steps}
-  used = ", ".join(f"{m} {n}" for m, n in steps.items())
+  mode_tau = spec.stats.get("mode_tau", {})
+  used = ", ".join(f"{m} {n}" + (f" (τ {mode_tau[m]:.2f})" if m in mode_tau else "")
+                   for m, n in steps.items())
   speedup = speedup_text(ar_rates, spec_rates, only_ar_steps=set(steps) == {"ar"})
   print(f"\n{'=' * 78}\nAR            {_median(ar_rates):8.1f} tok/s"
         f"\n{args.mode:<13} {_median(spec_rates):8.1f} tok/s   "
