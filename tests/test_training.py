@@ -1225,8 +1225,74 @@ def test_bonus_input_reaches_only_slot_0_and_warm_starts(target):
   plain = np.asarray(drafter.params["mask"])
   rows_with_bonus = [m for m in range(8) if not np.allclose(hm[0, m], plain)]
   assert rows_with_bonus == [0, 4]                       # slot 0 of each block
-  with pytest.raises(ValueError, match="bonus_BxM"):
-    transformer.mask_input(target.params, drafter.params, masks, jnp.float32)
+  # no bonus known (None, or -1 for a block): that slot 0 is the mask alone
+  blind = transformer.mask_input(target.params, drafter.params, masks, jnp.float32)
+  np.testing.assert_array_equal(blind[0], np.broadcast_to(plain, blind[0].shape))
+  half = transformer.mask_input(target.params, drafter.params,
+                                masks._replace(bonus_BxM=bonus.at[:, 4:].set(-1)),
+                                jnp.float32)
+  np.testing.assert_array_equal(half[0, :4], hm[0, :4])
+  np.testing.assert_array_equal(half[0, 4:], blind[0, 4:])
   fresh = init_draft_params(target.params, cfg, drafter.config, jax.random.PRNGKey(7))
   out = train.warm_start(fresh, drafter, cfg, drafter.config)
   np.testing.assert_array_equal(out["bonus_in"], drafter.params["bonus_in"])
+
+
+def test_bonus_dropout_trains_blind_blocks_as_parallel_mode_drafts(target, regen):
+  # A block drawn blind scores as the same drafter with no bonus input
+  # (bonus_in = 0), a sighted one as without dropout; the packer draws about
+  # the asked share of blind blocks, deterministically.
+  import dataclasses
+  cfg, drafter = target.config, _bonus_drafter(target)
+  records = data.load_records(regen[0])
+  pack = lambda p: data.Packer(records, seq_len=512, anchors=8, block_size=4, pad_id=0,
+                               seed=0, bonus_dropout=p)
+  batch = pack(0.5).train_batch(0, 8)
+  assert batch["blind_BxK"].shape == (8, 8) and 16 < batch["blind_BxK"].sum() < 48
+  np.testing.assert_array_equal(batch["blind_BxK"], pack(0.5).train_batch(0, 8)["blind_BxK"])
+  np.testing.assert_array_equal(batch["anchor_BxK"], pack(0.0).train_batch(0, 8)["anchor_BxK"])
+  assert "blind_BxK" not in pack(0.0).train_batch(0, 8)
+  dcfg = dataclasses.replace(drafter.config, bonus_dropout=0.5)
+  loss = lambda params, b: float(loss_lib.loss_sums(params, target.params, cfg, dcfg, b)[0])
+  no_bonus = dict(drafter.params, bonus_in=0 * drafter.params["bonus_in"])
+  plain = {k: v for k, v in batch.items() if k != "blind_BxK"}
+  every = dict(plain, blind_BxK=np.ones((8, 8), bool))
+  none = dict(plain, blind_BxK=np.zeros((8, 8), bool))
+  assert loss(drafter.params, every) == pytest.approx(loss(no_bonus, plain), rel=1e-6)
+  assert loss(drafter.params, none) == pytest.approx(loss(drafter.params, plain), rel=1e-6)
+  assert abs(loss(drafter.params, every) - loss(drafter.params, none)) > 1e-3
+  mixed = loss(drafter.params, batch)
+  assert min(loss(drafter.params, every), loss(drafter.params, none)) < mixed < max(
+      loss(drafter.params, every), loss(drafter.params, none))
+
+
+def test_a_run_with_bonus_dropout_is_scored_blind_and_records_it(regen, tmp_path):
+  cfg = tiny.tiny_config(regen[0], num_steps=2, eval_every=2)
+  cfg.drafter.bonus_input, cfg.drafter.bonus_dropout = True, 0.5
+  result = train.train(cfg, str(tmp_path))
+  row = _read_csv(tmp_path / "metrics.csv")[-1]
+  assert row["step"] == "2" and row["blind_eval_tau"] and row["blind_eval_loss"]
+  assert float(row["blind_eval_loss"]) != pytest.approx(float(row["eval_loss"]), abs=1e-6)
+  # the best drafter is picked on the mean of both
+  assert result.summary["best_eval_tau"] == pytest.approx(
+      0.5 * (float(row["eval_tau"]) + float(row["blind_eval_tau"])), abs=1e-5)
+  saved = drafter_ckpt.load_drafter(str(tmp_path / "final_drafter"), tiny.tiny_target())
+  assert saved.config.bonus_dropout == 0.5 and saved.config.drafts_blind
+  cfg.drafter.bonus_input = False
+  with pytest.raises(Exception, match="bonus_dropout=0.5 must be in"):
+    train.train(cfg, str(tmp_path / "b"))
+
+
+def test_offline_tau_scores_parallel_modes_drafting_blind(target):
+  # --blind: the drafter drafts as in parallel mode (its bonus input unread):
+  # the same scores as the drafter without a bonus input, unlike sighted ones.
+  from flexdraft_jax.training import offline_tau
+  drafter = _bonus_drafter(target)
+  rng = np.random.RandomState(0)
+  prompts = [list(rng.randint(3, 90, size=6)) for _ in range(2)]
+  answers = [list(rng.randint(3, 90, size=n)) for n in (9, 12)]
+  plain = drafter._replace(params=dict(drafter.params, bonus_in=0 * drafter.params["bonus_in"]))
+  blind = offline_tau.score(target, drafter, prompts, answers, 16, blind=True)
+  assert blind == offline_tau.score(target, plain, prompts, answers, 16)
+  assert blind["anchors"] == 21
+  assert blind != offline_tau.score(target, drafter, prompts, answers, 16)

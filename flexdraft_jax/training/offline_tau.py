@@ -18,6 +18,8 @@ drafter on those answers with the trainer's own loss code, at every anchor:
              docs/experiments.md), where the uniform mean reads 0.17–0.32 higher.
 
 Drafters can be compared here in minutes instead of a sweep's half hour.
+`--blind` scores parallel mode's drafting instead (slot 0 blind, the bonus read
+by calibration and the n-gram prior only).
 """
 
 from __future__ import annotations
@@ -56,9 +58,12 @@ def benchmark_answers(target, name: str, data_dir: str, *, limit: int,
   return cached[key]
 
 
-def score(target, drafter, prompts: list, answers: list, max_new_tokens: int = 128) -> dict:
+def score(target, drafter, prompts: list, answers: list, max_new_tokens: int = 128,
+          blind: bool = False) -> dict:
   """Uniform and walk τ, per-slot accuracy of `drafter` over the answers (each
-  at most `max_new_tokens` long)."""
+  at most `max_new_tokens` long). `blind`: drafting as parallel mode does, in
+  the verify forward, before the bonus is known (a drafter's bonus input then
+  unread; calibration and the n-gram prior still read the bonus)."""
   import jax
   import jax.numpy as jnp
   from flexdraft_jax.training import loss as loss_lib
@@ -81,6 +86,8 @@ def score(target, drafter, prompts: list, answers: list, max_new_tokens: int = 1
              "length_B": jnp.asarray([len(toks)], jnp.int32),
              "anchor_BxK": jnp.asarray(anchor[None], jnp.int32),
              "anchor_ok_BxK": jnp.asarray(ok[None])}
+    if blind:
+      batch["blind_BxK"] = jnp.ones((1, K), bool)
     s = jax.device_get(fn(drafter.params, target.params, batch))
     tau_sum += float(s["tau_sum"])
     anchors += float(s["n_anchor"])
@@ -110,7 +117,7 @@ def run(argv):
 
   from flexdraft_jax import cli_util
   names = ("drafters", "datasets", "limit", "max_new_tokens", "batch_size", "answers",
-           "data_dir", "model")
+           "data_dir", "model", "blind")
   for name in names:
     if name in flags.FLAGS:
       delattr(flags.FLAGS, name)
@@ -125,6 +132,8 @@ def run(argv):
   flags.DEFINE_string("data_dir", "", "benchmark files (default: $FLEXDRAFT_DATA, else "
                       "../shared/data)")
   flags.DEFINE_string("model", "smollm2-135m", "the target the drafters belong to")
+  flags.DEFINE_bool("blind", False, "score drafting as parallel mode does, before the "
+                    "bonus is known (a drafter's bonus input unread)")
   FLAGS = flags.FLAGS
 
   def main(args):
@@ -144,7 +153,9 @@ def run(argv):
     for path in FLAGS.drafters:
       drafter = fd.load_drafter(sweep.resolve_path(path), target)
       for name, d in sets.items():
-        r = score(target, drafter, d["prompts"], d["answers"], FLAGS.max_new_tokens)
-        print(table_row(path, name, len(d["prompts"]), r), flush=True)
+        r = score(target, drafter, d["prompts"], d["answers"], FLAGS.max_new_tokens,
+                  blind=FLAGS.blind)
+        print(table_row(path + (" (blind)" if FLAGS.blind else ""), name,
+                        len(d["prompts"]), r), flush=True)
 
   cli_util.run_main(main, argv, doc=__doc__, key_flags=names)
