@@ -6,6 +6,7 @@ import sys
 
 from absl import app
 
+from flexdraft_jax import run_control
 from flexdraft_jax.model.config import FlexDraftError
 
 
@@ -24,10 +25,17 @@ def run_main(main, argv, doc: str = "", key_flags=("config", "workdir")):
   def wrapped(args):
     started.append(True)
     try:
-      return main(args)
+      with run_control.stop_on_signals():
+        return main(args)
     except (FlexDraftError, FileNotFoundError) as e:
       print(f"error: {e}", file=sys.stderr)
       sys.exit(1)
+    except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM (run_control.Stopped)
+      e = e if isinstance(e, run_control.Stopped) else run_control.stopped(e, "")
+      where = e.where or f"{argv[0].split()[-1]} stopped"
+      print(f"stopped by {e.signame}: {where}; to resume, run: "
+            f"{run_control.resume_command(argv)}", file=sys.stderr, flush=True)
+      sys.exit(128 + e.signum)
 
   try:
     app.run(wrapped, argv=argv)
