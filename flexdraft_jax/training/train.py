@@ -18,7 +18,10 @@ train.ema_decay > 0) and resume exactly: batch order and anchors depend only on
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import functools
+import glob
 import json
 import os
 import shutil
@@ -34,6 +37,7 @@ import orbax.checkpoint as ocp
 import tqdm
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from flexdraft_jax import run_control
 from flexdraft_jax.drafter import checkpoint as drafter_ckpt
 from flexdraft_jax.drafter.model import (Drafter, DrafterConfig, init_draft_params,
                                          trainable)
@@ -146,7 +150,17 @@ def make_steps(cfg, dcfg, tx, schedule, tc, shardings: dict, mesh, fixed=None):
   return train, evaluate
 
 
+def _remove_cut_saves(workdir: str) -> None:
+  """Removes what a save cut short (a killed run) leaves: `N.orbax-checkpoint-tmp*`
+  folders under WORKDIR/ckpt. The complete checkpoints stay."""
+  if jax.process_index() == 0:
+    for tmp in glob.glob(os.path.join(os.path.abspath(workdir), "ckpt",
+                                      "*.orbax-checkpoint-tmp*")):
+      shutil.rmtree(tmp, ignore_errors=True)
+
+
 def _checkpoint_manager(workdir: str, tc) -> ocp.CheckpointManager:
+  _remove_cut_saves(workdir)
   options = ocp.CheckpointManagerOptions(
       max_to_keep=tc.max_to_keep, enable_async_checkpointing=True, create=True)
   return ocp.CheckpointManager(os.path.join(os.path.abspath(workdir), "ckpt"),
@@ -190,6 +204,7 @@ def _setup(config, workdir=None):
                   if tc.get("eval_variants", True) else [])
   data.check_anchors(train_recs, tc.seq_len, dcfg.block_size)
   target = loading.load_target(config.target, config.dtype)
+  data.check_made_by(config.data.regen_dir, target)
   cfg = target.config
   dcfg.validate(cfg)
   pack = functools.partial(data.Packer, seq_len=tc.seq_len, block_size=dcfg.block_size,
@@ -538,18 +553,56 @@ def warm_start(params, source: Drafter, cfg, dcfg) -> dict:
   return out
 
 
-def _restore(mngr, state):
+# Drafter settings that shape the trained state: a checkpoint made with others
+# cannot be resumed.
+SHAPE_KEYS = ("num_layers", "block_size", "calib_rank", "calib_tied", "draft_vocab",
+              "per_slot_mask", "bonus_input")
+
+
+def _check_same_run(saved: dict, made_by: dict, where: str) -> None:
+  """Refuses (one line) to resume checkpoints of another target or drafter
+  shape; a changed drafter setting that shapes nothing gets a note."""
+  if saved.get("target_fingerprint", made_by["target_fingerprint"]) != \
+      made_by["target_fingerprint"]:
+    raise FlexDraftError(
+        f"{where} holds checkpoints of target {saved.get('target')} (fingerprint "
+        f"{saved['target_fingerprint']}), not {made_by['target']} "
+        f"({made_by['target_fingerprint']}): use another --workdir")
+  old, new = saved.get("drafter") or {}, made_by["drafter"]
+  changed = [k for k in old if k in new and old[k] != new[k]]
+  shape = [k for k in changed if k in SHAPE_KEYS]
+  if shape:
+    diff = ", ".join(f"drafter.{k}={old[k]!r} there, {new[k]!r} here" for k in shape)
+    raise FlexDraftError(f"{where} holds checkpoints of another drafter shape ({diff}): "
+                         "use another --workdir, or the config it was started with")
+  if changed and jax.process_index() == 0:
+    print("train: note: resuming with " + ", ".join(
+        f"drafter.{k}={new[k]!r} (the checkpoints were trained with {old[k]!r})"
+        for k in changed), flush=True)
+
+
+def _restore(mngr, state, made_by: dict):
   """(start step, state, meta) from the latest checkpoint, if any. A run that
   turns the moving average on resumes a checkpoint without one with the
-  average started at the restored weights (and one that turns it off drops it)."""
+  average started at the restored weights (and one that turns it off drops it).
+  `made_by` (the target and drafter config) goes into the checkpoints' meta,
+  and a checkpoint made by others is refused in one line."""
   meta = {"tokens_seen": 0, "best_tau": -1.0, "best_step": -1}
   start = mngr.latest_step() or 0
   if start:
+    where = f"--workdir {os.path.dirname(os.fspath(mngr.directory))}"
     saved = mngr.restore(start, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+    _check_same_run(dict(saved.meta), made_by, where)
     had_ema = bool(dict(saved.meta).get("ema", False))
     like = state._replace(ema=state.params if had_ema else None)
-    restored = mngr.restore(start, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(_abstract(like)), meta=ocp.args.JsonRestore()))
+    try:
+      restored = mngr.restore(start, args=ocp.args.Composite(
+          state=ocp.args.StandardRestore(_abstract(like)), meta=ocp.args.JsonRestore()))
+    except (ValueError, TypeError, KeyError) as e:  # older checkpoints: no made_by
+      first = (str(e).strip().splitlines() or [""])[0][:200]
+      raise FlexDraftError(f"{where}: checkpoint {start} does not fit this config "
+                           f"({type(e).__name__}: {first}); use another --workdir, or "
+                           "the config it was started with") from None
     meta, ema = dict(restored.meta), restored.state.ema
     if state.ema is None:
       ema = None
@@ -557,6 +610,7 @@ def _restore(mngr, state):
       ema = jax.jit(lambda p: jax.tree.map(jnp.copy, p))(restored.state.params)
     state = restored.state._replace(ema=ema)
   meta["ema"] = state.ema is not None
+  meta.update(made_by)
   return start, state, meta
 
 
@@ -584,10 +638,51 @@ def _train_row(m, meta, bs, rate) -> dict:
 
 
 def train(config, workdir: str) -> TrainResult:
-  """Runs (or resumes) training in `workdir`."""
+  """Runs (or resumes) training in `workdir`, one run per workdir at a time
+  (WORKDIR/flexdraft.lock names it). Ctrl-C or SIGTERM stops it cleanly: the
+  checkpoint being saved is finished, nothing half-written is left, and
+  `run_control.Stopped` says where it stopped (rerunning resumes)."""
   check_train_config(config)
   t_begin = time.perf_counter()  # train.max_minutes counts from here
   sharding.maybe_initialize_distributed(**dict(config.distributed))
+  lock = contextlib.nullcontext()
+  if jax.process_index() == 0:
+    os.makedirs(workdir, exist_ok=True)
+    lock = run_control.folder_lock(os.path.abspath(workdir), "train")
+  run = {}  # what a stop must close: the checkpoint manager, the log, the step
+  with lock:
+    try:
+      return _train(config, workdir, t_begin, run)
+    except KeyboardInterrupt as e:
+      raise run_control.stopped(e, _stop_cleanly(run, workdir)) from None
+
+
+def _stop_cleanly(run: dict, workdir: str) -> str:
+  """After Ctrl-C / SIGTERM: the save in flight finished and orbax closed (its
+  threads would fail at exit), leftovers of a cut save removed, the log
+  closed. Returns where the run stopped."""
+  if run.get("bar") is not None:
+    run["bar"].close()
+  mngr, latest = run.get("mngr"), None
+  if mngr is not None:
+    with contextlib.suppress(Exception):
+      mngr.wait_until_finished()
+    with contextlib.suppress(Exception):
+      latest = mngr.latest_step()
+    with contextlib.suppress(Exception):
+      mngr.close()
+  _remove_cut_saves(workdir)
+  if run.get("log") is not None:
+    run["log"].close()
+  at = (f"at step {run['step']}" if run.get("step") is not None
+        else "before its first step")
+  ckpt = os.path.join(os.path.abspath(workdir), "ckpt")
+  kept = (f"checkpoint {latest} is complete in {ckpt}" if latest
+          else "no checkpoint yet (a rerun starts over)")
+  return f"train {at}; {kept}"
+
+
+def _train(config, workdir: str, t_begin: float, run: dict) -> TrainResult:
   tc, bs = config.train, config.drafter.block_size
   is_main = jax.process_index() == 0
   if is_main:
@@ -596,8 +691,10 @@ def train(config, workdir: str) -> TrainResult:
   state, target_params, packers, steps, mesh, info = _setup(config, workdir)
   (packer, eval_packer, variant_packer), target = packers, info.pop("target")
   fixed = info.pop("fixed_params")
-  mngr = _checkpoint_manager(workdir, tc)
-  start, state, meta = _restore(mngr, state)
+  mngr = run["mngr"] = _checkpoint_manager(workdir, tc)
+  made_by = {"target": target.name, "target_fingerprint": target.fingerprint,
+             "drafter": dataclasses.asdict(drafter_config(config))}
+  start, state, meta = _restore(mngr, state, made_by)
   end = min(tc.stop_at_step, tc.num_steps) if tc.stop_at_step else tc.num_steps
   columns = (["step", "mask_rows", "loss", "tau", "lr", "grad_norm", "tokens_seen",
               "steps_per_s"] + [f"acc_{j}" for j in range(1, bs)]
@@ -606,7 +703,7 @@ def train(config, workdir: str) -> TrainResult:
              + (["raw_eval_tau", "raw_eval_loss"] if state.ema is not None else [])
              + (["variant_eval_tau", "variant_eval_loss"] if variant_packer is not None
                 else []))
-  log = MetricsLog(workdir, columns, enabled=is_main, resume_step=start)
+  log = run["log"] = MetricsLog(workdir, columns, enabled=is_main, resume_step=start)
   if is_main:
     print(f"train: {sharding.describe(mesh)}; {info['train_records']} train / "
           f"{info['eval_records']} eval sequences (+ {info['eval_variant_records']} "
@@ -643,7 +740,9 @@ def train(config, workdir: str) -> TrainResult:
     if is_main:
       print(f"step 0 (warm start from {tc.init_from}): eval tau {ev['eval_tau']:.3f} "
             f"loss {ev['eval_loss']:.3f}", flush=True)
-  bar = tqdm.tqdm(total=end, initial=start, disable=not is_main, dynamic_ncols=True)
+  bar = run["bar"] = tqdm.tqdm(total=end, initial=start, disable=not is_main,
+                              dynamic_ncols=True)
+  run["step"] = start
   t_last, s_last = time.perf_counter(), start
   put = lambda step: sharding.put_batch(packer.train_batch(step, tc.batch_size, rows), mesh,
                                        tc.batch_size)
@@ -658,6 +757,7 @@ def train(config, workdir: str) -> TrainResult:
     meta["tokens_seen"] += int(m["tokens"])
     meta["mask_rows"] += rows_per_step
     done, row = step + 1, {}
+    run["step"] = done
     # Out of time: this step is the run's last, as if it were num_steps.
     last = done == end or (deadline is not None and _past(deadline, done, tc.log_every))
     eval_now = evaluating and (done % tc.eval_every == 0 or last)
@@ -680,8 +780,9 @@ def train(config, workdir: str) -> TrainResult:
       row.update(ev)
       if ev["eval_tau"] > meta["best_tau"]:
         meta["best_tau"], meta["best_step"] = ev["eval_tau"], done
-        _export(os.path.join(workdir, "best_drafter"), config, state, target,
-                record(), is_main, fixed)
+        with run_control.critical():  # not cut between its two renames
+          _export(os.path.join(workdir, "best_drafter"), config, state, target,
+                  record(), is_main, fixed)
       more = (f"; trained weights {ev['raw_eval_tau']:.3f}" if state.ema is not None
               else "")
       if variant_packer is not None:
@@ -691,8 +792,9 @@ def train(config, workdir: str) -> TrainResult:
     if row:
       log.write(done, row)
     if done % tc.ckpt_every == 0 or last:
-      mngr.save(done, args=ocp.args.Composite(
-          state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(dict(meta))))
+      with run_control.critical():  # a stop then waits for this save to finish
+        mngr.save(done, args=ocp.args.Composite(
+            state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(dict(meta))))
     bar.update(1)
     if last and done < end:
       bar.write(f"train: stopping at step {done} after train.max_minutes="
