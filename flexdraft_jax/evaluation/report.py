@@ -173,6 +173,9 @@ def write_markdown(results: dict, path: str, plots: list) -> str:
   lines = [f"# FlexDraft sweep: {meta.get('target')}", ""]
   if drafter.get("note"):
     lines += [f"> **WARNING: {drafter['note']}**", ""]
+  if results.get("skipped_cells"):
+    lines += [f"> **{len(results['skipped_cells'])} cells were skipped** (see \"Skipped "
+              "cells\" below).", ""]
   lines += [f"Drafter: {drafter.get('kind')} {drafter.get('path', '')} "
             f"(L={drafter.get('config', {}).get('num_layers')}, "
             f"bs={drafter.get('config', {}).get('block_size')}). "
@@ -196,6 +199,13 @@ def write_markdown(results: dict, path: str, plots: list) -> str:
                  f"{r['label']} | {r['drafter']} | {r['tau']:.2f} | "
                  f"{r['tokens_per_second']:.1f} | {_fmt(r['speedup'])} | "
                  f"{_fmt(r['lossless'])} | {' '.join(map(str, hist))} |")
+  skipped = results.get("skipped_cells") or {}
+  if skipped:
+    lines += ["", "## Skipped cells", "",
+              f"{len(skipped)} cells of the plan did not run:", "",
+              "| cell | why |", "|---|---|"]
+    lines += [f"| {key} | {why.removeprefix('skipped: ')} |"
+              for key, why in sorted(skipped.items())]
   costs = step_cost_table(results)
   if costs:
     lines += ["", "## Flex `auto`: measured step costs", "",

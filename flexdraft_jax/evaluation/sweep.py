@@ -31,6 +31,7 @@ from typing import Optional
 import ml_collections
 import numpy as np
 
+from flexdraft_jax import run_control
 from flexdraft_jax.decoding.chunk import parse_flex_threshold
 from flexdraft_jax.evaluation import benchmarks, cells as cells_lib
 from flexdraft_jax.evaluation.cells import MODES, Cell, Context
@@ -376,13 +377,13 @@ def run_sweep(config, workdir: str, *, prompts: Optional[dict] = None, target=No
 
   `prompts` ({dataset: [str, [turns] or BenchmarkPrompt]}) replaces benchmark files;
   `target` / `drafter` replace loading `config.target` / `config.drafter`.
-  Returns {"ran", "skipped", "results", "files"}.
+  Returns {"ran", "skipped", "results", "files", "skipped_cells", "only_baseline"}:
+  `skipped_cells` {cell: why} were planned and not run (results.md lists them),
+  `only_baseline` is true when speculative cells were asked and none ran.
+  One sweep per workdir at a time (WORKDIR/flexdraft.lock names it); Ctrl-C or
+  SIGTERM keeps every finished cell and raises `run_control.Stopped`.
   """
-  import tqdm
-
-  from flexdraft_jax import api
   from flexdraft_jax.cli_util import writable_dir
-  from flexdraft_jax.evaluation import report
   # Settings, prompts and the workdir are checked before the (slow) model load.
   check_settings(config)
   datasets = {c.dataset for c in plan_cells(config, [])}
@@ -390,6 +391,22 @@ def run_sweep(config, workdir: str, *, prompts: Optional[dict] = None, target=No
     datasets |= set(parse_list(config.ablation.datasets, dataset_name))
   early_prompts = _load_prompts(config, sorted(datasets), prompts)
   workdir = writable_dir(workdir)
+  with run_control.folder_lock(workdir, "eval"):
+    try:
+      return _sweep(config, workdir, early_prompts, target, drafter, progress)
+    except KeyboardInterrupt as e:
+      path = os.path.join(workdir, RESULTS_FILE)
+      done = len(load_results(workdir)["cells"])
+      raise run_control.stopped(e, f"eval with {done} cells done, kept in {path} "
+                                "(results.md is written when a sweep ends)") from None
+
+
+def _sweep(config, workdir: str, early_prompts: dict, target, drafter,
+           progress: bool) -> dict:
+  import tqdm
+
+  from flexdraft_jax import api
+  from flexdraft_jax.evaluation import report
   if progress:
     print(f"eval: writing results to {workdir} (--workdir)", flush=True)
   if target is None:
@@ -406,9 +423,12 @@ def run_sweep(config, workdir: str, *, prompts: Optional[dict] = None, target=No
   abl = [dict(r, cells=[], note=NO_PARALLEL) if not all(
       runnable(c, drafters) for c in r["cells"]) else r for r in abl]
   cells = plan_cells(config, abl)
-  if not all(runnable(c, drafters) for c in cells):
-    print(f"eval: parallel cells skipped: {NO_PARALLEL}", file=sys.stderr, flush=True)
-    cells = [c for c in cells if runnable(c, drafters)]
+  skipped_cells = {c.key: NO_PARALLEL for c in cells if not runnable(c, drafters)}
+  if skipped_cells:
+    print(f"eval: {len(skipped_cells)} parallel cells skipped: {NO_PARALLEL}",
+          file=sys.stderr, flush=True)
+  planned_speculative = any(c.mode != "ar" for c in cells)
+  cells = [c for c in cells if c.key not in skipped_cells]
   prompts_by_ds = {ds: early_prompts[ds] for ds in sorted({c.dataset for c in cells})}
   block = max(d.config.block_size for d in drafters.values())
   ctx = Context(config, target, drafters, prompts_by_ds,
@@ -425,6 +445,7 @@ def run_sweep(config, workdir: str, *, prompts: Optional[dict] = None, target=No
   results["ablation"] = [dict(r, cells=[c.key for c in r["cells"]]) for r in abl]
   results["ablation_settings"] = {"datasets": parse_list(config.ablation.datasets),
                                   "batch_size": int(config.ablation.batch_size)}
+  results["skipped_cells"] = skipped_cells  # this run's plan: what it left out and why
   cells_lib.listen_for_compiles()
 
   ran = skipped = 0
@@ -436,12 +457,16 @@ def run_sweep(config, workdir: str, *, prompts: Optional[dict] = None, target=No
       continue
     reference = results["cells"].get(cell.ar_key)
     results["cells"][cell.key] = cells_lib.run_cell(ctx, cell, reference)
-    save_results(workdir, results)
+    with run_control.critical():
+      save_results(workdir, results)
     ran += 1
   bar.close()
-  save_results(workdir, results)
+  with run_control.critical():
+    save_results(workdir, results)
   files = report.write_all(results, workdir)
-  return {"ran": ran, "skipped": skipped, "results": results, "files": files}
+  only_baseline = planned_speculative and not any(c.mode != "ar" for c in cells)
+  return {"ran": ran, "skipped": skipped, "results": results, "files": files,
+          "skipped_cells": skipped_cells, "only_baseline": only_baseline}
 
 
 # ----------------------------------------------------------------- CLI ----
@@ -457,5 +482,10 @@ def run(argv):
     out = run_sweep(config, workdir)
     print(f"eval: {out['ran']} cells run, {out['skipped']} already done; "
           f"{os.path.join(workdir, 'results.md')}", flush=True)
+    if out["only_baseline"]:
+      why = sorted({w.removeprefix("skipped: ") for w in out["skipped_cells"].values()})
+      raise FlexDraftError(f"nothing but the AR baseline ran: {len(out['skipped_cells'])} "
+                           f"cells skipped ({'; '.join(why)}); "
+                           f"{os.path.join(workdir, 'results.md')} lists them")
 
   cli_util.run_main(main, argv, doc=__doc__)

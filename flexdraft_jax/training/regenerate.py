@@ -12,12 +12,15 @@ is done and prompts already in a shard are skipped; the tfds dataset
 
 from __future__ import annotations
 
+import glob
 import json
 import os
+import shutil
 import time
 
 import tqdm
 
+from flexdraft_jax import run_control
 from flexdraft_jax.model.config import FlexDraftError
 from flexdraft_jax.decoding import timing
 from flexdraft_jax.model import loading
@@ -58,11 +61,33 @@ def _write_meta(regen_dir: str, meta: dict) -> None:
 def regenerate(config, *, limit: int = 0, max_minutes: float = 0.0) -> dict:
   """Answers every not-yet-answered prompt of the mix; returns meta (with
   throughput). `limit` > 0 stops after that many new prompts, `max_minutes`
-  > 0 starts no new batch after that long; the dataset is built either way."""
+  > 0 starts no new batch after that long; the dataset is built either way.
+  One run per regen_dir at a time (REGEN_DIR/flexdraft.lock names it); Ctrl-C
+  or SIGTERM keeps every finished shard and raises `run_control.Stopped`
+  saying so (rerunning goes on from them)."""
   from flexdraft_jax.cli_util import writable_dir
   dc = config.data
   check_data_config(dc)
   regen_dir = writable_dir(dc.regen_dir, "--config.data.regen_dir")
+  with run_control.folder_lock(regen_dir, "regenerate", "--config.data.regen_dir"):
+    run = {"answers": 0, "building": False}
+    try:
+      return _regenerate(config, regen_dir, limit, max_minutes, run)
+    except KeyboardInterrupt as e:
+      if run.get("bar") is not None:
+        run["bar"].close()
+      for tmp in glob.glob(os.path.join(data.shard_dir(regen_dir), "*.tmp")):
+        os.remove(tmp)
+      if run["building"]:  # a half-built dataset: the rerun builds it
+        shutil.rmtree(data.tfds_dir(regen_dir), ignore_errors=True)
+      kept = len(glob.glob(os.path.join(data.shard_dir(regen_dir), "shard-*.jsonl")))
+      raise run_control.stopped(e, f"regenerate after {run['answers']} new answers; "
+                                f"{kept} shards kept in {data.shard_dir(regen_dir)} "
+                                "(the dataset is built when a run ends)") from None
+
+
+def _regenerate(config, regen_dir: str, limit: int, max_minutes: float, run: dict) -> dict:
+  dc = config.data
   print(f"regenerate: writing to {regen_dir} (--config.data.regen_dir, default "
         "$FLEXDRAFT_RUNS/regen/NAME, else <repo>/../runs/regen/NAME)", flush=True)
   prompts = data.load_prompts(dc)  # missing prompt files: one line before the model load
@@ -104,7 +129,7 @@ def regenerate(config, *, limit: int = 0, max_minutes: float = 0.0) -> dict:
   eos = set(int(t) for t in target.config.eos_token_ids)
   # One cache size for every batch: the decode loop compiles once per batch size.
   max_len = round_up(dc.max_prompt_tokens + dc.max_new_tokens + 64, 64)
-  bar = tqdm.tqdm(total=len(todo), unit="prompt", dynamic_ncols=True)
+  bar = run["bar"] = tqdm.tqdm(total=len(todo), unit="prompt", dynamic_ncols=True)
   t_start = time.perf_counter()
   for start in range(0, len(todo), dc.batch_size):
     if max_minutes and time.perf_counter() - t_start > 60 * max_minutes:
@@ -121,7 +146,9 @@ def regenerate(config, *, limit: int = 0, max_minutes: float = 0.0) -> dict:
       new_tokens += len(ans)
       records.append({"uid": p.uid, "source": p.source, "prompt_ids": ids,
                       "answer_ids": ans, "stopped": bool(ans and ans[-1] in eos)})
-    data.write_shard(regen_dir, shard, records)
+    with run_control.critical():  # a shard is written whole or not at all
+      data.write_shard(regen_dir, shard, records)
+      run["answers"] += len(records)
     shard += 1
     gen_seconds += dt
     bar.update(len(chunk))
@@ -130,7 +157,9 @@ def regenerate(config, *, limit: int = 0, max_minutes: float = 0.0) -> dict:
   meta.update(last_run_new_tokens=new_tokens, last_run_seconds=round(gen_seconds, 2),
               last_run_tokens_per_s=round(timing.tokens_per_second(new_tokens, gen_seconds), 2),
               records=len(data.read_shards(regen_dir)))
-  _write_meta(regen_dir, meta)
+  with run_control.critical():
+    _write_meta(regen_dir, meta)
+  run["building"] = True
   meta["tfds_dir"] = data.build_dataset(regen_dir)
   print(json.dumps(meta), flush=True)
   return meta
