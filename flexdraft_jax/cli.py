@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import warnings
 
@@ -28,6 +29,16 @@ def _stop_token(text: str):
 
 def _flag(name: str) -> str:
   return "--" + name.replace("_", "-")
+
+
+def _flag_names(msg: str, names, lead: bool = True) -> str:
+  """`msg` naming the flags, not the Python arguments: every `name=` and (with
+  `lead`) a leading `name ` become `--flag-name`."""
+  for name in names:
+    if lead and msg.startswith(name + " "):
+      msg = _flag(name) + msg[len(name):]
+    msg = re.sub(rf"(?<![\w-]){name}=", _flag(name) + "=", msg)
+  return msg
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -129,12 +140,8 @@ def main(argv) -> int:
   from flexdraft_jax.decoding import engine
   try:
     engine.check_options(**kw)
-  except FlexDraftError as e:  # name the flag, not the Python argument
-    msg = str(e)
-    for name in kw:
-      if msg.startswith(name + " "):
-        msg = _flag(name) + msg[len(name):]
-    raise FlexDraftError(msg) from None
+  except FlexDraftError as e:
+    raise FlexDraftError(_flag_names(str(e), kw)) from None
   if args.mode != "ar":
     if not args.drafter:
       raise FlexDraftError(f"mode {args.mode!r} needs a drafter (--drafter PATH)")
@@ -144,16 +151,24 @@ def main(argv) -> int:
       mode=args.mode, temperature=args.temperature, draft_sampling=args.draft_sampling,
       block_size=args.block_size, verify_len=args.verify_len, threshold=args.threshold,
       flex_threshold=flex_threshold, drafter=args.drafter, draft_dtype=args.draft_dtype,
-      spell=_flag):
+      top_k=args.top_k, top_p=args.top_p, spell=_flag):
     print(f"warning: {line}", file=sys.stderr)
+  from flexdraft_jax.model import loading
+  if not loading.has_tokenizer(args.model):
+    raise FlexDraftError(f"--model {args.model} has no tokenizer.json, and prompts on the "
+                         "command line are text: add the tokenizer, or pass token ids "
+                         "to generate() in Python")
   import flexdraft_jax as fd  # heavy imports after argument checks
 
   target = fd.load_target(args.model, dtype=args.dtype, layout="layers")
   drafter = fd.load_drafter(args.drafter, target) if args.mode != "ar" else None
   with warnings.catch_warnings():  # printed above, once
     warnings.simplefilter("ignore", FlexDraftWarning)
-    result = fd.generate(target, prompts, seed=args.seed, drafter=drafter, chat=args.chat,
-                         cost_cache=args.cost_cache, **kw)
+    try:
+      result = fd.generate(target, prompts, seed=args.seed, drafter=drafter,
+                           chat=args.chat, cost_cache=args.cost_cache, **kw)
+    except FlexDraftError as e:
+      raise FlexDraftError(_flag_names(str(e), kw, lead=False)) from None
   if args.json:
     print(json.dumps({
         "outputs": [{"prompt": p, "token_ids": t, "text": x}

@@ -110,6 +110,7 @@ def _encode_prompts(target, prompts, chat: bool):
 
 
 MAX_STOP_IDS = 8
+MAX_POSITIONS = 2 ** 31 - 1  # positions and lengths are int32 on the device
 
 
 def _stop_array(stop_ids: tuple) -> jax.Array:
@@ -137,6 +138,9 @@ def _stop_ids(target, stop) -> tuple:
     ids = []
     for s in stop:
       if isinstance(s, str):
+        if target.tokenizer is None:
+          raise FlexDraftError(f"stop string {s!r} needs a tokenizer and {target.name} "
+                               "has none: pass the stop token's id")
         enc = target.tokenizer.encode(s)
         if len(enc) != 1:
           raise FlexDraftError(f"stop string {s!r} is not a single token")
@@ -165,6 +169,10 @@ def check_options(*, max_new_tokens=128, temperature=0.0, top_k=None, top_p=None
     _check_int("batch_size", batch_size, 1, " (unset: all prompts in one batch)")
   if max_len is not None:
     _check_int("max_len", max_len, 2)
+  for name, value in (("max_new_tokens", max_new_tokens), ("max_len", max_len)):
+    if value is not None and value > MAX_POSITIONS:
+      raise FlexDraftError(f"{name}={value} is beyond any model's context (positions "
+                           f"are int32: at most {MAX_POSITIONS})")
   if block_size is not None:
     _check_int("block_size", block_size, 2)
   if attn_impl not in ATTN_IMPLS:
@@ -180,7 +188,8 @@ def check_options(*, max_new_tokens=128, temperature=0.0, top_k=None, top_p=None
 
 def ignored_options(*, mode="ar", temperature=0.0, draft_sampling=False, block_size=None,
                     verify_len=None, threshold=0.0, flex_threshold="auto",
-                    drafter=None, draft_dtype="auto", spell=lambda name: name) -> list:
+                    drafter=None, draft_dtype="auto", top_k=None, top_p=None,
+                    spell=lambda name: name) -> list:
   """One line per option given that has no effect with the others (they
   would otherwise be ignored silently). `spell` names an option (CLI flags)."""
   out = []
@@ -200,6 +209,10 @@ def ignored_options(*, mode="ar", temperature=0.0, draft_sampling=False, block_s
   if draft_sampling and temperature == 0:
     out.append(f"{spell('draft_sampling')} has no effect at temperature 0 (greedy "
                "decoding drafts and keeps the argmax)")
+  for name, value in (("top_k", top_k), ("top_p", top_p)):
+    if value is not None and temperature == 0:
+      out.append(f"{spell(name)}={value} has no effect at temperature 0 (greedy "
+                 "decoding keeps the argmax)")
   return out
 
 
@@ -233,11 +246,13 @@ def generate(target, prompts: Sequence, *, max_new_tokens: int = 128,
       block_size=block_size, draft_sampling=draft_sampling, verify_len=verify_len,
       stop=stop, draft_dtype=draft_dtype)
   opts = dataclasses.replace(opts, cost_cache=cost_cache)
+  if not _is_int(seed):
+    raise FlexDraftError(f"seed must be an integer, got {type(seed).__name__} {seed!r}")
   for line in ignored_options(mode=mode, temperature=temperature,
                               draft_sampling=draft_sampling, block_size=block_size,
                               verify_len=verify_len, threshold=threshold,
                               flex_threshold=flex_threshold, drafter=drafter,
-                              draft_dtype=draft_dtype):
+                              draft_dtype=draft_dtype, top_k=top_k, top_p=top_p):
     warnings.warn(line, FlexDraftWarning, stacklevel=2)
   if mode != "ar" and drafter is None:
     raise FlexDraftError(f"mode {mode!r} needs a drafter (--drafter PATH)")
@@ -256,6 +271,13 @@ def generate(target, prompts: Sequence, *, max_new_tokens: int = 128,
     if not calibrate:  # ablation: drafts without the bonus-guided calibration
       drafter = drafter._replace(config=dataclasses.replace(drafter.config, calibrate=False))
   prompts = check_prompts(prompts)
+  n_ids = sum(not isinstance(p, str) for p in prompts)
+  if target.tokenizer is None and n_ids < len(prompts):
+    raise FlexDraftError(f"{target.name} has no tokenizer (no tokenizer.json): pass "
+                         "prompts as token ids, e.g. [[1, 2, 3]]")
+  if chat and n_ids:
+    warnings.warn(f"chat=True has no effect on the {n_ids} prompt(s) given as token ids "
+                  "(the chat template applies to text)", FlexDraftWarning, stacklevel=2)
   ids = _encode_prompts(target, prompts, chat)
   stop_ids = _stop_ids(target, stop)
   batch_size = batch_size or len(ids)  # None: one batch
@@ -268,8 +290,15 @@ def generate(target, prompts: Sequence, *, max_new_tokens: int = 128,
                                stop_ids, max_len, attn_impl, steps_per_call, narrow)
     results[start:start + len(chunk)] = toks
     stats_list.append(st)
-  texts = [target.tokenizer.decode(t) for t in results]
-  return GenerateResult(results, texts, _merge_stats(stats_list, mode))
+  return GenerateResult(results, _texts(target.tokenizer, results),
+                        _merge_stats(stats_list, mode))
+
+
+def _texts(tokenizer, results: list) -> list:
+  """Each row's text; None without a tokenizer (the ids are the output)."""
+  if tokenizer is None:
+    return [None] * len(results)
+  return [tokenizer.decode(t) for t in results]
 
 
 def _with_block_size(drafter: Drafter, block_size: Optional[int]) -> Drafter:
@@ -356,18 +385,26 @@ def _cached(cache, key, trees: tuple, make):
 
 
 def _capacity(cfg, plens, max_new, bs, max_len):
-  need = max(plens) + max_new + 2 * bs + 1
-  if max_len is not None:
-    longest = max(plens)
-    if longest + 1 > max_len:
-      raise FlexDraftError(f"a prompt has {longest} tokens, longer than the cache "
-                           f"(max_len={max_len})")
-    return round_up(max(max_len, need), KV_BLOCK)
-  if max(plens) + max_new > cfg.max_position_embeddings:
+  """The KV-cache length: `max_len` (rounded up to KV_BLOCK) or what the
+  request needs. The model's context bounds prompt + new tokens either way; a
+  `max_len` too short for the request is an error, never silently enlarged."""
+  longest = max(plens)
+  need = longest + max_new + 2 * bs + 1  # + room for two draft blocks past the end
+  if max_len is not None and longest + 1 > max_len:
+    raise FlexDraftError(f"a prompt has {longest} tokens, longer than the cache "
+                         f"(max_len={max_len})")
+  if longest + max_new > cfg.max_position_embeddings:
     raise FlexDraftError(
-        f"prompt of {max(plens)} tokens + max_new_tokens={max_new} exceeds the "
+        f"prompt of {longest} tokens + max_new_tokens={max_new} exceeds the "
         f"model's context of {cfg.max_position_embeddings}")
-  return round_up(need, KV_BLOCK)
+  if max_len is None:
+    return round_up(need, KV_BLOCK)
+  if max_len < need:
+    raise FlexDraftError(
+        f"max_len={max_len} is too short: a prompt of {longest} tokens + max_new_tokens="
+        f"{max_new} needs {need} (with {2 * bs + 1} spare positions for the decode "
+        "steps); raise it, or leave it unset")
+  return round_up(max_len, KV_BLOCK)
 
 
 def _generate_batch(target, ids, max_new, sp, seed, drafter, mode, opts,

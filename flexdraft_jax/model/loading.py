@@ -50,6 +50,16 @@ def _resolve(spec: str) -> tuple:
       f"(builtin: {', '.join(BUILTINS)})")
 
 
+def has_tokenizer(spec: str) -> bool:
+  """Whether the target `spec` names comes with a tokenizer, told without
+  loading it: an HF directory needs its tokenizer.json (GGUF files, builtin
+  and random targets carry one)."""
+  if not isinstance(spec, str) or spec.startswith("random:"):
+    return True
+  path = os.path.expanduser(spec)
+  return not os.path.isdir(path) or os.path.isfile(os.path.join(path, "tokenizer.json"))
+
+
 def _with_tokenizer_ids(cfg: ModelConfig, tokenizer: Optional[Tokenizer]) -> ModelConfig:
   """The config's bos/eos ids completed from the tokenizer.
 
