@@ -781,13 +781,28 @@ def test_step_cost_cache_location_and_failures(target, tmp_path, monkeypatch):
   with pytest.warns(RuntimeWarning, match="cannot write the step-cost cache"):
     out = run(str(tmp_path / "afile" / "costs.json"))
   assert out.token_ids == ref.token_ids and out.stats["step_costs"]
-  # corrupt: warns, measures again and rewrites it
-  bad = tmp_path / "bad.json"
-  bad.write_text("{not json")
-  with pytest.warns(RuntimeWarning, match="unreadable step-cost cache"):
-    out = run(str(bad))
-  assert out.token_ids == ref.token_ids
-  assert len(json.loads(bad.read_text())) == 1
+  # not ours (broken JSON, another shape, a folder): warns, keeps the costs in
+  # memory and leaves the file as it is; nothing stray beside it
+  for name, text in (("bad.json", "{not json"), ("list.json", "[1, 2, 3]")):
+    bad = tmp_path / name
+    bad.write_text(text)
+    with pytest.warns(RuntimeWarning, match="is not a step-cost cache this can read"):
+      out = run(str(bad))
+    assert out.token_ids == ref.token_ids and bad.read_text() == text
+  (tmp_path / "adir").mkdir()
+  with pytest.warns(RuntimeWarning, match="is not a step-cost cache this can read"):
+    assert run(str(tmp_path / "adir")).token_ids == ref.token_ids
+  # read-only (a table of another shape's costs): read, measured, not replaced
+  ro = tmp_path / "ro.json"
+  ro.write_text(json.dumps({"another shape": {"ar": 0.5}}))
+  ro.chmod(0o444)
+  before = ro.read_text()
+  with pytest.warns(RuntimeWarning, match="cannot write the step-cost cache"):
+    out = run(str(ro))
+  assert out.token_ids == ref.token_ids and ro.read_text() == before
+  assert "another shape" in flex._COSTS_IN_MEMORY[str(ro)]
+  assert sorted(p.name for p in tmp_path.iterdir()) == [
+      "adir", "afile", "bad.json", "list.json", "ro.json"]
   # memory only: nothing written anywhere
   out = run(None)
   assert out.token_ids == ref.token_ids and not (tmp_path / "xdg").exists()
