@@ -1,0 +1,343 @@
+"""Faults: interrupted runs (Ctrl-C, SIGTERM, a killed save), two runs on one
+folder, a changed config on resume, a sweep that ran nothing but its baseline,
+output kept without a tokenizer. Each ends in one line or the right behaviour,
+and a rerun goes on with nothing lost or repeated."""
+
+from __future__ import annotations
+
+import csv
+import glob
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import orbax.checkpoint as ocp
+import pytest
+
+import flexdraft_jax as fd
+from flexdraft_jax import run_control
+from flexdraft_jax.model.config import FlexDraftError
+from flexdraft_jax.training import data, regenerate, train
+from tests import data_fixture, tiny
+
+REPO = tiny.REPO
+TINY = os.path.join(REPO, "configs", "tiny_test.py")
+
+
+def _steps(workdir) -> list:
+  with open(os.path.join(workdir, "metrics.csv")) as f:
+    return [int(r["step"]) for r in csv.DictReader(f)]
+
+
+def _ckpts(workdir) -> list:
+  return sorted(int(s) for s in os.listdir(os.path.join(workdir, "ckpt")) if s.isdigit())
+
+
+def _dead_pid() -> int:
+  p = subprocess.Popen([sys.executable, "-c", "pass"])
+  p.wait()
+  return p.pid
+
+
+def _lines(err: str) -> list:
+  """stderr without absl's log lines and progress bars."""
+  return [x for x in err.replace("\r", "\n").splitlines()
+          if x.strip() and not re.match(r"[IWEF]\d{4} ", x) and not re.search(r"s/it|it/s", x)]
+
+
+@pytest.fixture(scope="module")
+def regen(tmp_path_factory):
+  d = str(tmp_path_factory.mktemp("regen"))
+  tiny.write_fake_regen(d, tiny.tiny_target(), n=24)
+  return d
+
+
+# ---------------------------------------------------------------- lock ----
+
+def test_folder_lock_names_its_holder_and_takes_over_a_stale_one(tmp_path, capsys):
+  d = str(tmp_path)
+  lock = os.path.join(d, run_control.LOCK_FILE)
+  with run_control.folder_lock(d, "train"):
+    held = json.load(open(lock))
+    assert held["pid"] == os.getpid() and held["host"] == socket.gethostname()
+    with pytest.raises(FlexDraftError) as e:
+      with run_control.folder_lock(d, "eval"):
+        pass
+    assert str(e.value).startswith(f"--workdir {d} is in use by train (process "
+                                   f"{os.getpid()} on {socket.gethostname()} since ")
+    assert str(e.value).endswith("): wait for it to end, or use another folder")
+  assert not os.path.exists(lock)  # released
+  # a lock left by a process that is gone (killed: no cleanup) is taken over
+  dead = _dead_pid()
+  with open(lock, "w") as f:
+    json.dump({"pid": dead, "host": socket.gethostname(), "since": time.time(),
+               "command": "regenerate"}, f)
+  with run_control.folder_lock(d, "train"):
+    assert json.load(open(lock))["pid"] == os.getpid()
+  err = capsys.readouterr().err.splitlines()
+  assert len(err) == 1 and err[0].startswith(
+      f"train: taking over the lock of regenerate (process {dead} on "
+      f"{socket.gethostname()} since ")
+  assert err[0].endswith("), which is no longer running")
+
+
+def test_a_second_train_on_a_workdir_gets_one_line(tmp_path, regen, capsys):
+  w = str(tmp_path / "w")
+  os.makedirs(w)
+  argv = ["flexdraft_jax train", f"--config={TINY}", f"--config.data.regen_dir={regen}",
+          "--workdir", w]
+  with run_control.folder_lock(w, "train"):  # the first run, still going
+    with pytest.raises(SystemExit) as e:
+      train.run(argv)
+  assert e.value.code == 1
+  err = capsys.readouterr().err
+  assert "Traceback" not in err
+  assert err.strip().splitlines()[-1].startswith(
+      f"error: --workdir {w} is in use by train (process {os.getpid()} on ")
+  assert not os.path.exists(os.path.join(w, "ckpt"))  # it wrote nothing
+
+
+# ------------------------------------------------------- interrupting train ----
+
+def test_train_interrupted_after_and_mid_checkpoint_resumes_every_step_once(
+    tmp_path, regen, monkeypatch, capfd):
+  w = str(tmp_path / "run")
+  flags = [f"--config={TINY}", f"--config.data.regen_dir={regen}",
+           "--config.train.seq_len=48", "--config.train.ckpt_every=2",
+           "--config.train.eval_every=4", "--config.train.log_every=1"]
+  # 1. Ctrl-C on the command line once a checkpoint is complete.
+  env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+  args = ["train", *flags, "--config.train.num_steps=100000", "--workdir", w]
+  # `python -m flexdraft_jax ARGS` with Ctrl-C's default handler (a job started
+  # in the background inherits SIGINT ignored)
+  cmd = [sys.executable, "-c", "import runpy, signal, sys; "
+         "signal.signal(signal.SIGINT, signal.default_int_handler); "
+         "sys.argv = ['flexdraft_jax'] + sys.argv[1:]; "
+         "runpy.run_module('flexdraft_jax', run_name='__main__')", *args]
+  p = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE,
+                       stderr=subprocess.PIPE, text=True)
+  t0 = time.time()
+  while not os.path.isdir(os.path.join(w, "ckpt", "4")) and p.poll() is None:
+    assert time.time() - t0 < 300, "no checkpoint in 300 s"
+    time.sleep(0.05)
+  p.send_signal(signal.SIGINT)
+  out, err = p.communicate(timeout=300)
+  assert p.returncode == 128 + signal.SIGINT, err[-3000:]
+  assert "Traceback" not in err and "RuntimeError" not in err, err[-3000:]
+  stopped = [x for x in _lines(err) if x.startswith("stopped")]
+  first = max(_ckpts(w))
+  assert stopped and stopped == [x for x in _lines(err) if "stopped" in x]
+  assert stopped[0].startswith("stopped by SIGINT: train at step ")
+  assert stopped[0].endswith(
+      f"; checkpoint {first} is complete in {w}/ckpt; to resume, run: python -m "
+      f"flexdraft_jax train {' '.join(flags)} --config.train.num_steps=100000 "
+      f"--workdir {w}")
+  assert not glob.glob(os.path.join(w, "ckpt", "*tmp*"))
+  assert not os.path.exists(os.path.join(w, run_control.LOCK_FILE))
+  assert _steps(w)[:first] == list(range(1, first + 1))
+
+  # 2. SIGTERM (a scheduler) while a checkpoint is being written: the save in
+  # flight is finished, then the run stops.
+  end = first + 8
+  cfg = tiny.tiny_config(regen, num_steps=end, ckpt_every=2, eval_every=4, log_every=1)
+  save, seen = ocp.CheckpointManager.save, {}
+
+  def save_then_term(self, step, *a, **k):
+    out = save(self, step, *a, **k)
+    if step == first + 4:
+      seen["in_flight"] = not os.path.isdir(os.path.join(w, "ckpt", str(step)))
+      os.kill(os.getpid(), signal.SIGTERM)
+    return out
+
+  monkeypatch.setattr(ocp.CheckpointManager, "save", save_then_term)
+  with run_control.stop_on_signals(), pytest.raises(run_control.Stopped) as e:
+    train.train(cfg, w)
+  monkeypatch.undo()
+  assert seen == {"in_flight": True}
+  assert e.value.signum == signal.SIGTERM
+  assert e.value.where == (f"train at step {first + 4}; checkpoint {first + 4} is "
+                           f"complete in {w}/ckpt")
+  assert first + 4 in _ckpts(w) and not glob.glob(os.path.join(w, "ckpt", "*tmp*"))
+  assert not os.path.exists(os.path.join(w, run_control.LOCK_FILE))
+
+  # 3. A save cut short by SIGKILL leaves its temporary folder: the rerun
+  # removes it and goes on from the last complete checkpoint to the end.
+  shutil.copytree(os.path.join(w, "ckpt", str(first + 4)),
+                  os.path.join(w, "ckpt", f"{first + 6}.orbax-checkpoint-tmp-1234"))
+  result = train.train(cfg, w)
+  assert result.summary["steps"] == end
+  assert _steps(w) == list(range(1, end + 1))  # every step once, in order
+  assert not glob.glob(os.path.join(w, "ckpt", "*tmp*"))
+  assert end in _ckpts(w)
+  assert os.path.isfile(os.path.join(w, "final_drafter", "drafter.json"))
+  assert "Traceback" not in capfd.readouterr().err
+
+  # 4. Resuming with another drafter shape or another target: one line.
+  cfg.train.num_steps = end + 2
+  cfg.drafter.num_layers = 1
+  with pytest.raises(FlexDraftError) as e:
+    train.train(cfg, w)
+  assert str(e.value) == (f"--workdir {w} holds checkpoints of another drafter shape "
+                          "(drafter.num_layers=2 there, 1 here): use another --workdir, "
+                          "or the config it was started with")
+  cfg.drafter.num_layers, cfg.target = 2, "random:tiny:1"
+  with pytest.raises(FlexDraftError, match=rf"^--workdir {w} holds checkpoints of target "
+                     r"random:tiny:0 \(fingerprint \w+\), not random:tiny:1 \(\w+\): "
+                     "use another --workdir$"):
+    train.train(cfg, w)
+  assert "Traceback" not in capfd.readouterr().err
+  assert _steps(w) == list(range(1, end + 1))  # nothing touched
+
+
+# -------------------------------------------------- interrupting regenerate ----
+
+def test_regenerate_interrupted_keeps_its_shards_and_resumes(tmp_path, monkeypatch, capsys):
+  monkeypatch.setenv("FLEXDRAFT_DATA", data_fixture.write(str(tmp_path / "data")))
+  regen_dir = str(tmp_path / "regen")
+  argv = ["flexdraft_jax regenerate", f"--config={TINY}",
+          f"--config.data.regen_dir={regen_dir}", "--config.data.max_new_tokens=3",
+          "--config.data.batch_size=2", "--config.data.mix.gsm8k=4",
+          "--config.data.mix.mbpp=2", "--config.data.mix.arena_hard_v01=0"]
+  write = data.write_shard
+
+  def write_then_interrupt(*a, **k):
+    out = write(*a, **k)
+    os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C while the shard is written
+    return out
+
+  monkeypatch.setattr(data, "write_shard", write_then_interrupt)
+  with pytest.raises(SystemExit) as e:
+    regenerate.run(argv)
+  monkeypatch.undo()
+  assert e.value.code == 128 + signal.SIGINT
+  err = capsys.readouterr().err
+  assert "Traceback" not in err
+  shards = data.shard_dir(regen_dir)
+  assert err.strip().splitlines()[-1] == (
+      f"stopped by SIGINT: regenerate after 2 new answers; 1 shards kept in {shards} "
+      "(the dataset is built when a run ends); to resume, run: python -m flexdraft_jax "
+      f"regenerate {' '.join(argv[1:])}")
+  assert os.listdir(shards) == ["shard-00000.jsonl"]
+  assert not os.path.exists(os.path.join(regen_dir, run_control.LOCK_FILE))
+  first = data.read_shards(regen_dir)
+  with pytest.raises(SystemExit) as e:
+    regenerate.run(argv)
+  assert e.value.code in (0, None)
+  assert "regenerate: 2 answered, 5 to answer" in capsys.readouterr().out
+  uids = [r.uid for r in data.load_records(regen_dir)]
+  assert len(uids) == len(set(uids)) == 7  # every prompt once
+  assert data.read_shards(regen_dir)[:2] == first  # kept, not answered again
+
+
+# -------------------------------------------------------------- eval ----
+
+def _eval_argv(workdir, prompts_file, modes):
+  return ["flexdraft_jax eval", f"--config={os.path.join(REPO, 'configs', 'eval_smollm2.py')}",
+          "--workdir", workdir, "--config.target=random:tiny", "--config.drafter=",
+          "--config.random_drafter.num_layers=2", "--config.random_drafter.block_size=4",
+          "--config.random_drafter.calib_rank=16", f"--config.eval.prompts_file={prompts_file}",
+          "--config.eval.datasets=gsm8k", "--config.eval.batch_sizes=1",
+          f"--config.eval.modes={modes}", "--config.eval.max_new_tokens=4",
+          "--config.eval.max_len=128", "--config.eval.theta=0",
+          "--config.eval.warmup=False", "--config.ablation.enabled=False"]
+
+
+@pytest.fixture
+def prompts_file(tmp_path):
+  path = tmp_path / "prompts.json"
+  path.write_text(json.dumps({"gsm8k": ["What is 2+3?"]}))
+  return str(path)
+
+
+def test_eval_interrupted_keeps_its_cells_and_resumes(tmp_path, prompts_file, monkeypatch,
+                                                      capsys):
+  from flexdraft_jax.evaluation import cells, sweep
+  w = str(tmp_path / "eval")
+  argv = _eval_argv(w, prompts_file, "ar,sequential")
+  run_cell, calls = cells.run_cell, []
+
+  def term_in_second_cell(*a, **k):
+    calls.append(1)
+    if len(calls) == 2:
+      os.kill(os.getpid(), signal.SIGTERM)  # a scheduler, while the cell runs
+    return run_cell(*a, **k)
+
+  monkeypatch.setattr(cells, "run_cell", term_in_second_cell)
+  with pytest.raises(SystemExit) as e:
+    sweep.run(argv)
+  monkeypatch.undo()
+  assert e.value.code == 128 + signal.SIGTERM
+  err = capsys.readouterr().err
+  assert "Traceback" not in err
+  assert err.strip().splitlines()[-1] == (
+      f"stopped by SIGTERM: eval with 1 cells done, kept in {w}/results.json (results.md "
+      "is written when a sweep ends); to resume, run: python -m flexdraft_jax eval "
+      f"{' '.join(argv[1:])}")
+  assert not os.path.exists(os.path.join(w, run_control.LOCK_FILE))
+  with pytest.raises(SystemExit) as e:
+    sweep.run(argv)
+  assert e.value.code in (0, None)
+  assert "1 cells run, 1 already done" in capsys.readouterr().out
+
+
+def test_eval_that_ran_nothing_but_the_baseline_says_so_and_fails(tmp_path, prompts_file,
+                                                                 monkeypatch, capsys):
+  # A drafter trained only to read the bonus: the sweep leaves its parallel
+  # cells out; with nothing else asked, only AR ran.
+  from flexdraft_jax.drafter.model import Drafter, DrafterConfig, init_draft_params
+  from flexdraft_jax.evaluation import sweep
+  import jax
+
+  def bonus_drafter(config, target):
+    dcfg = DrafterConfig(num_layers=1, block_size=4, calib_rank=8, bonus_input=True)
+    params = init_draft_params(target.params, target.config, dcfg, jax.random.PRNGKey(0))
+    return Drafter(dcfg, params, target.fingerprint), {
+        "kind": "trained", "path": "", "id": "bonus", "note": "",
+        "config": {"num_layers": 1, "block_size": 4}}
+
+  monkeypatch.setattr(sweep, "load_main_drafter", bonus_drafter)
+  w = str(tmp_path / "eval")
+  with pytest.raises(SystemExit) as e:
+    sweep.run(_eval_argv(w, prompts_file, "ar,parallel"))
+  assert e.value.code == 1
+  err = capsys.readouterr().err
+  key = "gsm8k|bs=1|parallel|T=0|theta=0|drafter=main"
+  assert err.strip().splitlines()[-1] == (
+      "error: nothing but the AR baseline ran: 1 cells skipped (parallel mode drafts "
+      "before the bonus is known and this drafter was trained to read it (bonus_input "
+      f"without bonus_dropout)); {w}/results.md lists them")
+  md = open(os.path.join(w, "results.md")).read()
+  assert "> **1 cells were skipped**" in md and "## Skipped cells" in md
+  assert f"| {key} | parallel mode drafts before the bonus is known" in md
+  results = json.load(open(os.path.join(w, "results.json")))
+  assert list(results["skipped_cells"]) == [key] and key not in results["cells"]
+
+
+# ------------------------------------------------------------ generate ----
+
+def test_ids_decoded_without_a_tokenizer_are_returned():
+  target = tiny.tiny_target()
+  ref = fd.generate(target, [[3, 4, 5]], max_new_tokens=4)
+  out = fd.generate(target._replace(tokenizer=None), [[3, 4, 5]], max_new_tokens=4)
+  assert out.token_ids == ref.token_ids and len(out.token_ids[0]) == 4
+  assert out.texts == [None] and ref.texts[0]
+  with pytest.raises(FlexDraftError, match="stop string 'a' needs a tokenizer"):
+    fd.generate(target._replace(tokenizer=None), [[3, 4, 5]], max_new_tokens=4, stop=["a"])
+
+
+def test_hard_limits_hold_whatever_max_len_says():
+  target = tiny.tiny_target()
+  n = target.config.max_position_embeddings
+  with pytest.raises(FlexDraftError, match=f"exceeds the model's context of {n}"):
+    fd.generate(target, [[3] * (n - 2)], max_new_tokens=4, max_len=2 * n)
+  # a cache exactly as long as the request needs is used as it is
+  out = fd.generate(target, [[3, 4, 5]], max_new_tokens=4, max_len=3 + 4 + 3)
+  assert len(out.token_ids[0]) == 4
+  with pytest.raises(FlexDraftError, match=r"max_len=9 is too short: .* needs 10 "):
+    fd.generate(target, [[3, 4, 5]], max_new_tokens=4, max_len=9)
