@@ -341,3 +341,7 @@ def test_hard_limits_hold_whatever_max_len_says():
   assert len(out.token_ids[0]) == 4
   with pytest.raises(FlexDraftError, match=r"max_len=9 is too short: .* needs 10 "):
     fd.generate(target, [[3, 4, 5]], max_new_tokens=4, max_len=9)
+  # an absurd cache (memory for positions no request reaches) is one line
+  with pytest.raises(FlexDraftError, match=rf"^max_len=100000000 is beyond the model's "
+                     rf"context of {n} \(a cache of \d+ holds every request\)"):
+    fd.generate(target, [[3, 4, 5]], max_new_tokens=4, max_len=10 ** 8)

@@ -404,6 +404,12 @@ def _capacity(cfg, plens, max_new, bs, max_len):
         f"max_len={max_len} is too short: a prompt of {longest} tokens + max_new_tokens="
         f"{max_new} needs {need} (with {2 * bs + 1} spare positions for the decode "
         "steps); raise it, or leave it unset")
+  most = round_up(cfg.max_position_embeddings + 2 * bs + 1, KV_BLOCK)
+  if max_len > most:  # positions past the context are never written: memory for nothing
+    raise FlexDraftError(
+        f"max_len={max_len} is beyond the model's context of "
+        f"{cfg.max_position_embeddings} (a cache of {most} holds every request): "
+        "lower it, or leave it unset")
   return round_up(max_len, KV_BLOCK)
 
 
