@@ -195,6 +195,18 @@ def test_train_interrupted_after_and_mid_checkpoint_resumes_every_step_once(
   assert _steps(w) == list(range(1, end + 1))  # nothing touched
 
 
+def test_resumed_metrics_drop_a_row_a_killed_run_cut_short(tmp_path):
+  from flexdraft_jax.training.metrics_log import MetricsLog
+  log = MetricsLog(str(tmp_path), ["step", "loss", "tau"])
+  for step in (1, 2, 3):
+    log.write(step, {"loss": 1.0, "tau": 2.0})
+  log.close()
+  with open(tmp_path / "metrics.csv", "a") as f:
+    f.write("4,0.5")  # killed mid-line
+  MetricsLog(str(tmp_path), ["step", "loss", "tau"], resume_step=4).close()
+  assert _steps(str(tmp_path)) == [1, 2, 3]
+
+
 # -------------------------------------------------- interrupting regenerate ----
 
 def test_regenerate_interrupted_keeps_its_shards_and_resumes(tmp_path, monkeypatch, capsys):

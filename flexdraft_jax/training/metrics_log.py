@@ -24,8 +24,8 @@ class MetricsLog:
     self.path = os.path.join(workdir, "metrics.csv")
     kept = []
     if resume_step and os.path.exists(self.path):
-      with open(self.path) as f:
-        kept = [r for r in csv.DictReader(f) if int(r["step"]) <= resume_step]
+      with open(self.path, newline="") as f:
+        kept = [r for r in csv.DictReader(f) if _whole(r) and int(r["step"]) <= resume_step]
     with open(self.path, "w", newline="") as f:
       w = csv.DictWriter(f, columns, extrasaction="ignore")
       w.writeheader()
@@ -47,6 +47,11 @@ class MetricsLog:
   def close(self) -> None:
     if self.enabled:
       self._tb.close()
+
+
+def _whole(row: dict) -> bool:
+  """A row written to its end (a killed run may leave its last line cut)."""
+  return None not in row and None not in row.values() and row.get("step", "").isdigit()
 
 
 def _fmt(v):
