@@ -20,12 +20,13 @@ too. `--fixed=MODE:K[:DRAFT_DTYPE],…` times fixed (mode, verify length)
 settings in the same rotation, so flex can be compared with the best of them;
 `--draft_dtypes=auto,target` times flex with each draft dtype (generate's
 `draft_dtype`; the first is "flex", the others "flex:DTYPE").
+The rotation, the checks and the tables are flexdraft_jax/evaluation/modes_bench.py's
+(launch/bench_modes.py runs it with more options).
 """
 
 from __future__ import annotations
 
 import json
-import statistics
 import sys
 
 from absl import app
@@ -49,75 +50,25 @@ FLAGS = flags.FLAGS
 def main(argv):
   del argv
   import flexdraft_jax as fd
-  from flexdraft_jax.evaluation import benchmarks, sweep
+  from flexdraft_jax.evaluation import modes_bench, sweep
   from flexdraft_jax.paths import data_root
   target = fd.load_target("smollm2-135m", layout="layers")
   drafter = fd.load_drafter(sweep.resolve_path(FLAGS.drafter), target)
-  kw = benchmarks.chat_kwargs(target)
   sizes = [int(b) for b in FLAGS.batch_sizes]
-  rows = benchmarks.load_benchmark("gsm8k", FLAGS.data_dir or data_root(),
-                                   max(sizes) * FLAGS.batches)
-  results = []
-  fixed = {}
-  for spec in FLAGS.fixed:
-    mode, k, *dtype = spec.split(":")
-    fixed[spec] = dict(mode=mode, drafter=drafter, verify_len=int(k),
-                       draft_dtype=dtype[0] if dtype else FLAGS.draft_dtypes[0])
-  flexes = {("flex" if i == 0 else f"flex:{d}"): dict(
-      mode="flex", drafter=drafter, threshold=FLAGS.threshold, draft_dtype=d)
-            for i, d in enumerate(FLAGS.draft_dtypes)}
-  print("| batch | AR tok/s (median, best) | flex tok/s (median, best) | flex / AR "
-        "(median) | best fixed (mode:k, tok/s) | flex / best fixed | flex steps (k) "
-        "| outputs equal |", flush=True)
-  print("|---|---|---|---|---|---|---|---|", flush=True)
-  for b in sizes:
-    ids = [benchmarks.render(target.tokenizer, benchmarks.messages_for_turn(p, []), kw)
-           for p in rows[:b * FLAGS.batches]]
-    opts = {"ar": dict(mode="ar"), **flexes, **fixed}
-    tps = {m: [] for m in opts}
-    last = {}
-    for i in range(FLAGS.repeats + 1):
-      for m, o in opts.items():  # generate decodes the prompts b at a time
-        res = fd.generate(target, ids, max_new_tokens=FLAGS.max_new_tokens, stop=[],
-                          batch_size=b, **o)
-        if i:  # the first call of each mode compiles
-          tps[m].append(res.stats["tokens_per_second"])
-        last[m] = res
-    med = {m: statistics.median(v) for m, v in tps.items()}
-    steps = _run_lengths(last["flex"].stats["mode_steps"])
-    ks = _run_lengths(last["flex"].stats["group_counts"])
-    equal = all(last[m].token_ids == last["ar"].token_ids for m in opts)
-    best = max(fixed, key=med.get) if fixed else None
-    results.append({"batch_size": b, "batches": FLAGS.batches, "tokens_per_second": tps,
-                    "median": med, "flex_over_ar": med["flex"] / med["ar"],
-                    "flex_mode_steps": steps, "flex_verify_lengths": ks, "best_fixed": best,
-                    "tau": {m: last[m].stats["tau"] for m in opts},
-                    "step_costs": last["flex"].stats.get("step_costs"),
-                    "flex_choices": last["flex"].stats.get("flex_choices"),
-                    "outputs_equal": equal})
-    best_cols = (f"{best}, {med[best]:.1f} | {med['flex'] / med[best]:.2f}" if best
-                 else "- | -")
-    print(f"| {b} | {med['ar']:.1f}, {max(tps['ar']):.1f} | {med['flex']:.1f}, "
-          f"{max(tps['flex']):.1f} | {med['flex'] / med['ar']:.2f} | {best_cols} | "
-          f"{' '.join(f'{m}×{n}' for m, n in steps)} "
-          f"({' '.join(f'{k}×{n}' for k, n in ks)}) | {'yes' if equal else 'NO'} |",
-          flush=True)
-    for m in opts:  # every setting's median and τ, for the A/Bs the table leaves out
-      print(f"  {m}: {med[m]:.1f} tok/s, τ {last[m].stats['tau']:.3f}", flush=True)
+  settings = modes_bench.default_settings(
+      modes_bench.parse_fixed(FLAGS.fixed, FLAGS.draft_dtypes[0]), FLAGS.draft_dtypes,
+      FLAGS.threshold)
+  prompts = modes_bench.gsm8k_prompts(target, FLAGS.data_dir or data_root(),
+                                      max(sizes) * FLAGS.batches)
+  # "default": flex keeps its timed step costs where generate() keeps them
+  result = modes_bench.run(target, drafter, prompts, batch_sizes=sizes, settings=settings,
+                           max_new_tokens=FLAGS.max_new_tokens, repeats=FLAGS.repeats,
+                           batches=FLAGS.batches, cost_cache="default")
+  print(modes_bench.markdown(result), flush=True)
   if FLAGS.out:
     with open(FLAGS.out, "w") as f:
-      json.dump({"max_new_tokens": FLAGS.max_new_tokens, "repeats": FLAGS.repeats,
-                 "results": results}, f, indent=1)
-  return 0 if all(r["outputs_equal"] for r in results) else 1
-
-
-def _run_lengths(log) -> list:
-  """A run-length log of [key, steps] (several batches' logs one after another)
-  as the total steps of each key, in first-seen order."""
-  total = {}
-  for key, n in log:
-    total[key] = total.get(key, 0) + n
-  return [[key, n] for key, n in total.items()]
+      json.dump(result, f, indent=1)
+  return 0 if all(r["lossless"] for r in result["results"]) else 1
 
 
 if __name__ == "__main__":
