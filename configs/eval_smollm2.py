@@ -43,7 +43,7 @@ def get_config():
   c.eval.max_new_tokens = 128          # SPEC §6 uses 256; halved for CPU runs
   c.eval.theta = 0.01
   c.ablation.datasets = "gsm8k,mt_bench"
-  c.ablation.batch_size = 1
+  c.ablation.batch_sizes = "1,4"
   for n in (2, 6):
     c.ablation.layer_drafters[f"L{n}"] = os.path.join(
         runs_root(), f"smollm2_135m_L{n}", "best_drafter")

@@ -265,7 +265,7 @@ def _eval_cli(workdir, prompts_file):
          f"--config.eval.prompts_file={prompts_file}", "--config.eval.datasets=gsm8k,mt_bench",
          "--config.eval.batch_sizes=2", "--config.eval.max_new_tokens=6",
          "--config.eval.max_len=256", "--config.eval.theta=0", "--config.eval.flex_threshold=1",
-         "--config.ablation.datasets=gsm8k", "--config.ablation.batch_size=2",
+         "--config.ablation.datasets=gsm8k", "--config.ablation.batch_sizes=2",
          "--config.ablation.layer_drafters.L2=",  # "": the main drafter (it has L=2)
          f"--config.ablation.layer_drafters.L6={workdir}/missing_L6"]
   out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=REPO)
@@ -278,7 +278,7 @@ def test_sweep_cli_outputs_lossless_and_resumes(tmp_path):
   prompts_file.write_text(json.dumps(PROMPTS))
   workdir = str(tmp_path / "eval")
   log = _eval_cli(workdir, str(prompts_file))
-  assert "RANDOMLY INITIALISED" in log and "11 cells run, 0 already done" in log
+  assert "RANDOMLY INITIALISED" in log and "12 cells run, 0 already done" in log
   assert f"eval: writing results to {os.path.abspath(workdir)} (--workdir)" in log
 
   with open(os.path.join(workdir, "results.json")) as f:
@@ -287,7 +287,9 @@ def test_sweep_cli_outputs_lossless_and_resumes(tmp_path):
   modes = {"ar", "parallel", "parallel_sel", "sequential", "flex"}
   for ds in PROMPTS:
     assert {c["params"]["mode"] for c in cells_.values() if c["params"]["dataset"] == ds} == modes
-  assert len(cells_) == 11  # 2 datasets x 5 modes + the no-calibration ablation cell
+  # 2 datasets x 5 modes + the ablation's no-calibration and fp32-draft-pass cells
+  # (its other rows are these cells: the random drafter has no additions)
+  assert len(cells_) == 12
   assert all(c["lossless"] is True for c in cells_.values()), \
       {k: c["lossless_detail"] for k, c in cells_.items() if not c["lossless"]}
   ar = cells_["mt_bench|bs=2|ar|T=0|theta=0|drafter=-"]
@@ -299,20 +301,22 @@ def test_sweep_cli_outputs_lossless_and_resumes(tmp_path):
 
   with open(os.path.join(workdir, "results.csv")) as f:
     rows = list(csv.DictReader(f))
-  assert len(rows) == 11
+  assert len(rows) == 12
   assert all(float(r["speedup"]) == 1.0 for r in rows if r["mode"] == "ar")
   assert all(r["lossless"] == "True" and float(r["speedup"]) > 0 for r in rows)
   md = open(os.path.join(workdir, "results.md")).read()
   assert "## Speedup over AR, T=0" in md and "## Ablations" in md
-  assert "| attention tuning only (no calibration) | parallel θ=0 |" in md
+  assert "| attention tuning only (no calibration) | 2 | parallel θ=0 |" in md
+  assert "| sequential + bonus input | | | | | | | | skipped: the drafter reads no" in md
+  assert "decode only / end to end" in md
   assert f"skipped: no drafter at {workdir}/missing_L6" in md
-  assert "| L = 2 draft layers (θ=0) | parallel selective θ=0 |" in md  # the main drafter
+  assert "| L = 2 draft layers (θ=0) | 2 | parallel selective θ=0 |" in md  # the main drafter
   for name in ("speedup_vs_batch_T0.png", "tau_per_dataset.png", "accept_hist.png"):
     with open(os.path.join(workdir, name), "rb") as f:
       assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 
   log = _eval_cli(workdir, str(prompts_file))  # resumes: nothing is rerun
-  assert "0 cells run, 11 already done" in log
+  assert "0 cells run, 12 already done" in log
   with open(os.path.join(workdir, "results.json")) as f:
     again = json.load(f)["cells"]
   assert {k: c["decode_seconds"] for k, c in again.items()} == \

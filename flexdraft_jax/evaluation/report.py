@@ -17,9 +17,9 @@ from flexdraft_jax.util import ceil_div
 
 MODE_ORDER = ("ar", "parallel", "parallel_sel", "sequential", "flex")
 CSV_FIELDS = ("dataset", "batch_size", "mode", "theta", "temperature", "drafter",
-              "n_prompts", "new_tokens", "decode_seconds", "tokens_per_second", "tau",
-              "speedup", "lossless", "steps", "mean_groups", "timing_runs",
-              "accept_hist")
+              "n_prompts", "new_tokens", "decode_seconds", "prefill_seconds",
+              "tokens_per_second", "tau", "speedup", "speedup_e2e", "lossless", "steps",
+              "mean_groups", "timing_runs", "accept_hist", "mode_tau")
 
 
 def mode_label(mode: str, theta: float) -> str:
@@ -39,11 +39,18 @@ def rows(results: dict) -> list:
     ar = cells.get(Cell(**p).ar_key)
     speedup = (c["tokens_per_second"] / ar["tokens_per_second"]
                if ar and ar["tokens_per_second"] > 0 else None)
+    # end to end: prefill included (each row's first token is the prefill's)
+    e2e = lambda x: x["new_tokens"] / max(x["decode_seconds"] + x.get("prefill_seconds", 0.0),
+                                          1e-9)
+    speedup_e2e = e2e(c) / e2e(ar) if ar and ar["new_tokens"] else None
     out.append({**p, "key": key, "label": mode_label(p["mode"], p["theta"]),
                 "n_prompts": c["n_prompts"], "new_tokens": c["new_tokens"],
                 "decode_seconds": c["decode_seconds"],
+                "prefill_seconds": c.get("prefill_seconds"),
                 "tokens_per_second": c["tokens_per_second"], "tau": c["tau"],
-                "speedup": speedup, "lossless": c["lossless"], "steps": c["steps"],
+                "speedup": speedup, "speedup_e2e": speedup_e2e,
+                "mode_tau": c.get("mode_tau") or {},
+                "lossless": c["lossless"], "steps": c["steps"],
                 "mean_groups": c.get("mean_groups"), "timing_runs": c["timing_runs"],
                 "accept_hist": c["accept_hist"]})
   order = {m: i for i, m in enumerate(MODE_ORDER)}
@@ -66,6 +73,7 @@ def write_csv(results: dict, path: str) -> str:
     w.writeheader()
     for r in rows(results):
       w.writerow({**r, "accept_hist": " ".join(map(str, r["accept_hist"])),
+                  "mode_tau": " ".join(f"{m}:{t:.3f}" for m, t in r["mode_tau"].items()),
                   "lossless": "" if r["lossless"] is None else r["lossless"]})
   return path
 
@@ -75,7 +83,8 @@ def _main_rows(results: dict) -> list:
 
 
 def speedup_table(results: dict, temperature: float) -> list:
-  """Markdown lines: (dataset, batch) × speculative mode, 'speedup× (τ)', + the mean."""
+  """Markdown lines: (dataset, batch) × speculative mode, 'decode speedup× /
+  end-to-end speedup× (τ)', + the mean."""
   rs = [r for r in _main_rows(results) if r["temperature"] == temperature]
   modes = [m for m in MODE_ORDER[1:] if any(r["mode"] == m for r in rs)]
   if not modes:
@@ -91,42 +100,50 @@ def speedup_table(results: dict, temperature: float) -> list:
     for m in modes:
       r = next((r for r in rs if (r["dataset"], r["batch_size"], r["mode"]) == (ds, bs, m)), None)
       cells.append("" if r is None else
-                   f"{_fmt(r['speedup'])}× ({r['tau']:.2f})"
+                   f"{_fmt(r['speedup'])}× / {_fmt(r['speedup_e2e'])}× ({r['tau']:.2f})"
                    + ("" if r["lossless"] in (True, None) else " **lossy**"))
     lines.append(f"| {ds} | {bs} | " + " | ".join(cells) + " |")
   for bs in sorted({b for _, b in groups}):
     ar = [v for (_, b), v in ar_tps.items() if b == bs]
     means = [f"{np.mean(ar):.1f}" if ar else ""]
     for m in modes:
-      sp = [r["speedup"] for r in rs if r["mode"] == m and r["batch_size"] == bs
-            and r["speedup"] is not None]
-      tau = [r["tau"] for r in rs if r["mode"] == m and r["batch_size"] == bs]
-      means.append(f"{np.mean(sp):.2f}× ({np.mean(tau):.2f})" if sp else "")
+      at = [r for r in rs if r["mode"] == m and r["batch_size"] == bs]
+      sp = [r["speedup"] for r in at if r["speedup"] is not None]
+      e2e = [r["speedup_e2e"] for r in at if r["speedup_e2e"] is not None]
+      tau = [r["tau"] for r in at]
+      means.append(f"{np.mean(sp):.2f}× / {np.mean(e2e):.2f}× ({np.mean(tau):.2f})"
+                   if sp else "")
     lines.append(f"| **mean** | {bs} | " + " | ".join(means) + " |")
   return lines
 
 
 def ablation_table(results: dict) -> list:
-  """Markdown lines: one row per ablation variant, means over its datasets."""
+  """Markdown lines: one row per ablation variant and batch size, means over
+  its datasets."""
   by_key = {r["key"]: r for r in rows(results)}
   st = results.get("ablation_settings", {})
-  lines = [f"Datasets: {', '.join(st.get('datasets', []))}; batch size "
-           f"{st.get('batch_size')}; T=0; τ, tokens/s and speedup are means over the "
-           "datasets.", "",
-           "| variant | mode | τ | tok/s | speedup | lossless | note |",
-           "|---|---|---|---|---|---|---|"]
+  lines = [f"Datasets: {', '.join(st.get('datasets', []))}; T=0; τ (emitted tokens per "
+           "verification), tokens/s and speedups (decode only / end to end, prefill "
+           "included) are means over the datasets.", "",
+           "| variant | batch | mode | τ | tok/s | speedup | e2e speedup | lossless | note |",
+           "|---|---|---|---|---|---|---|---|---|"]
   for row in results.get("ablation", []):
     rs = [by_key[k] for k in row["cells"] if k in by_key]
     if not rs:
-      lines.append(f"| {row['name']} | | | | | | {row['note'] or 'not run'} |")
+      lines.append(f"| {row['name']} | | | | | | | | {row['note'] or 'not run'} |")
       continue
-    sp = [r["speedup"] for r in rs if r["speedup"] is not None]
-    lossless = [r["lossless"] for r in rs if r["lossless"] is not None]
-    lines.append(
-        f"| {row['name']} | {rs[0]['label']} | {np.mean([r['tau'] for r in rs]):.2f} | "
-        f"{np.mean([r['tokens_per_second'] for r in rs]):.1f} | "
-        f"{(f'{np.mean(sp):.2f}×' if sp else 'n/a')} | "
-        f"{_fmt(all(lossless)) if lossless else 'n/a'} | {row['note']} |")
+    for bs in sorted({r["batch_size"] for r in rs}):
+      at = [r for r in rs if r["batch_size"] == bs]
+      sp = [r["speedup"] for r in at if r["speedup"] is not None]
+      e2e = [r["speedup_e2e"] for r in at if r["speedup_e2e"] is not None]
+      lossless = [r["lossless"] for r in at if r["lossless"] is not None]
+      lines.append(
+          f"| {row['name']} | {bs} | {at[0]['label']} | "
+          f"{np.mean([r['tau'] for r in at]):.2f} | "
+          f"{np.mean([r['tokens_per_second'] for r in at]):.1f} | "
+          f"{(f'{np.mean(sp):.2f}×' if sp else 'n/a')} | "
+          f"{(f'{np.mean(e2e):.2f}×' if e2e else 'n/a')} | "
+          f"{_fmt(all(lossless)) if lossless else 'n/a'} | {row['note']} |")
   return lines
 
 
@@ -181,14 +198,16 @@ def write_markdown(results: dict, path: str, plots: list) -> str:
             f"bs={drafter.get('config', {}).get('block_size')}). "
             f"max_new_tokens={st.get('max_new_tokens')}, prompts per dataset: "
             f"{st.get('limit') if (st.get('limit') or 0) > 0 else 'all'} (the first of each "
-            f"file){_batches_note(st)}, seed {st.get('seed')}. Decode time only, warmed up. "
+            f"file){_batches_note(st)}, seed {st.get('seed')}. Warmed up. "
             "Speedup = AR time per output token ÷ the mode's (same prompts, batch size "
-            "and temperature).", ""]
+            "and temperature): decode only, then end to end (prefill included). τ = "
+            "emitted tokens per verification.", ""]
   all_rows = rows(results)
   for temp in sorted({r["temperature"] for r in all_rows}):
     table = speedup_table(results, temp)
     if table:
-      lines += [f"## Speedup over AR, T={temp:g} — `speedup× (τ)`", ""] + table + [""]
+      lines += [f"## Speedup over AR, T={temp:g} — `decode speedup× / end-to-end "
+                "speedup× (τ)`", ""] + table + [""]
   lines += ["## All cells", "",
             "| dataset | batch | T | mode | drafter | τ | tok/s | speedup | lossless | "
             "accepted tokens per step (1, 2, …) |",

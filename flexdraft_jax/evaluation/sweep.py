@@ -84,7 +84,7 @@ def default_config() -> ml_collections.ConfigDict:
       attn_impl="xla",
       lossless_tol=1e-5))
   c.ablation = ml_collections.ConfigDict(dict(
-      enabled=True, datasets="gsm8k,mt_bench", batch_size=1,
+      enabled=True, datasets="gsm8k,mt_bench", batch_sizes="1",
       # drafters with L draft layers; "" = the main drafter if it has L layers
       layer_drafters=ml_collections.ConfigDict(dict(L2="", L4="", L6="", L8=""))))
   return c
@@ -127,6 +127,19 @@ def resolve_path(path: str) -> str:
 def without_calibration(drafter):
   """The same drafter decoding without its calibration MLP (not even computed)."""
   return drafter._replace(config=dataclasses.replace(drafter.config, calibrate=False))
+
+
+def without_ngram(drafter):
+  """The same drafter drafting without its n-gram prior (the tables unread)."""
+  return drafter._replace(config=dataclasses.replace(
+      drafter.config, ngram_weight=0.0, context_trigram=0.0, context_bigram=0.0))
+
+
+def without_bonus_input(drafter):
+  """The same drafter with slot 0 always blind (the mask alone), in every mode."""
+  params = {k: v for k, v in drafter.params.items() if k != "bonus_in"}
+  return drafter._replace(config=dataclasses.replace(
+      drafter.config, bonus_input=False, bonus_dropout=0.0), params=params)
 
 
 def _calibration_is_identity(drafter) -> bool:
@@ -192,9 +205,9 @@ def check_settings(config) -> None:
     if not math.isfinite(t) or t < 0:
       raise FlexDraftError(f"--config.eval.temperatures: each must be a finite number "
                            f">= 0, got {t}")
-  for b in parse_list(ec.batch_sizes, int) + [int(config.ablation.batch_size)]:
+  for b in parse_list(ec.batch_sizes, int) + parse_list(config.ablation.batch_sizes, int):
     if b < 1:
-      raise FlexDraftError(f"--config.eval.batch_sizes and --config.ablation.batch_size "
+      raise FlexDraftError(f"--config.eval.batch_sizes and --config.ablation.batch_sizes "
                            f"must be >= 1, got {b}")
   for name, low in (("max_new_tokens", 1), ("limit", 0), ("batches_per_cell", 0),
                     ("max_timing_runs", 1), ("max_len", 0), ("block_size", 0)):
@@ -236,28 +249,53 @@ def plan_cells(config, ablation: list) -> list:
 
 
 def ablation_rows(config, target, main) -> tuple:
-  """(rows, extra drafters): each row names its cells or says why it is skipped."""
+  """(rows, extra drafters, their generate options): each row names its cells
+  or says why it is skipped. The paper's path first (its drafter: the main
+  one without this project's additions), then each addition on top of flex."""
   from flexdraft_jax import api
   ab, ec = config.ablation, config.eval
   if not ab.enabled:
-    return [], {}
+    return [], {}, {}
   datasets = parse_list(ab.datasets, dataset_name)
-  bs = int(ab.batch_size)
+  batch_sizes = parse_list(ab.batch_sizes, int)
 
   def cells(mode, variant):
-    return [make_cell(d, bs, mode, 0.0, ec.theta, variant) for d in datasets]
+    return [make_cell(d, bs, mode, 0.0, ec.theta, variant)
+            for bs in batch_sizes for d in datasets]
 
   same = ("calibration is the identity in this drafter (w2 = b2 = 0), so the two "
           "rows measure the same drafter" if _calibration_is_identity(main) else "")
+  paper = without_bonus_input(without_ngram(main))
+  reads = main.config.bonus_input
+  # A variant that changes nothing in this drafter is the main one (no second cell).
+  same_as_main = lambda d: d.config == main.config and d.params.keys() == main.params.keys()
+  pv = "main" if same_as_main(paper) else "paper"
+  nv = "main" if same_as_main(without_ngram(main)) else "nongram"
   rows = [
-      dict(name="attention tuning only (no calibration)", cells=cells("parallel", "nocalib"),
-           note=same),
-      dict(name="+ bonus calibration", cells=cells("parallel", "main"), note=""),
+      dict(name="attention tuning only (no calibration)",
+           cells=cells("parallel", "paper_nocalib"), note=same),
+      dict(name="+ bonus calibration", cells=cells("parallel", pv), note=""),
       dict(name=f"+ selective verification (θ={ec.theta:g})",
-           cells=cells("parallel_sel", "main"), note=""),
-      dict(name="flex", cells=cells("flex", "main"), note=""),
+           cells=cells("parallel_sel", pv), note=""),
+      dict(name="flex (parallel and sequential)", cells=cells("flex", pv), note=""),
+      dict(name="sequential", cells=cells("sequential", pv), note=""),
+      dict(name="sequential + bonus input", cells=cells("sequential", nv),
+           note="" if reads else "skipped: the drafter reads no bonus input"),
+      dict(name="flex + bonus input", cells=cells("flex", nv),
+           note="" if reads else "skipped: the drafter reads no bonus input"),
+      dict(name="flex + bonus input + n-gram prior (the main drafter)",
+           cells=cells("flex", "main"),
+           note="" if main.config.rescores else "the drafter has no n-gram prior"),
+      dict(name="the same with an fp32 draft pass (instead of auto: bf16 on a CPU)",
+           cells=cells("flex", "fp32draft"), note=""),
   ]
-  drafters = {"nocalib": without_calibration(main)}
+  rows = [dict(r, cells=[]) if r["note"].startswith("skipped") else r for r in rows]
+  drafters = {"paper_nocalib": without_calibration(paper), "fp32draft": main}
+  if pv != "main":
+    drafters["paper"] = paper
+  if nv != "main":
+    drafters["nongram"] = without_ngram(main)
+  options = {"fp32draft": {"draft_dtype": "target"}}
   for name, path in sorted(dict(ab.layer_drafters).items(), key=lambda kv: int(kv[0][1:])):
     n = int(name[1:])
     row = dict(name=f"L = {n} draft layers (θ={ec.theta:g})", cells=[], note="")
@@ -282,7 +320,7 @@ def ablation_rows(config, target, main) -> tuple:
             drafters[name] = d
             row.update(cells=cells("parallel_sel", name), note=full)
     rows.append(row)
-  return rows, drafters
+  return rows, drafters, options
 
 
 # ------------------------------------------------------------- results ----
@@ -418,7 +456,7 @@ def _sweep(config, workdir: str, early_prompts: dict, target, drafter,
             "id": f"given:{hashlib.sha256(repr(dataclasses.asdict(drafter.config)).encode()).hexdigest()[:8]}"}
   if info["note"]:
     print(f"\n{'!' * 78}\n!! {info['note']}\n{'!' * 78}\n", file=sys.stderr, flush=True)
-  abl, extra = ablation_rows(config, target, drafter)
+  abl, extra, options = ablation_rows(config, target, drafter)
   drafters = {"main": drafter, **extra}
   abl = [dict(r, cells=[], note=NO_PARALLEL) if not all(
       runnable(c, drafters) for c in r["cells"]) else r for r in abl]
@@ -432,7 +470,7 @@ def _sweep(config, workdir: str, early_prompts: dict, target, drafter,
   prompts_by_ds = {ds: early_prompts[ds] for ds in sorted({c.dataset for c in cells})}
   block = max(d.config.block_size for d in drafters.values())
   ctx = Context(config, target, drafters, prompts_by_ds,
-                cells_lib.max_lens(target, prompts_by_ds, config, block))
+                cells_lib.max_lens(target, prompts_by_ds, config, block), options)
 
   results = load_results(workdir)
   meta = {"target": target.name, "target_fingerprint": target.fingerprint,
@@ -444,7 +482,7 @@ def _sweep(config, workdir: str, early_prompts: dict, target, drafter,
   results["meta"] = _check_meta(results["meta"], meta, workdir)
   results["ablation"] = [dict(r, cells=[c.key for c in r["cells"]]) for r in abl]
   results["ablation_settings"] = {"datasets": parse_list(config.ablation.datasets),
-                                  "batch_size": int(config.ablation.batch_size)}
+                                  "batch_sizes": parse_list(config.ablation.batch_sizes, int)}
   results["skipped_cells"] = skipped_cells  # this run's plan: what it left out and why
   cells_lib.listen_for_compiles()
 
