@@ -146,10 +146,12 @@ CASES = [
         dict(target=lambda t: t._replace(tokenizer=None), prompts=["hi"]),
         "random:tiny:0 has no tokenizer (no tokenizer.json): pass prompts as token ids, "
         "e.g. [[1, 2, 3]]"),
-    api("`mode=\"parallel\"` with a drafter that reads the bonus (`bonus_input`)",
+    api("`mode=\"parallel\"` with a drafter trained to read the bonus (`bonus_input`, "
+        "no `bonus_dropout`; FlexDraftWarning)",
         dict(mode="parallel", drafter=lambda target: _bonus_drafter(target)),
-        "mode 'parallel' drafts in the verify forward, before the bonus is known, and "
-        "this drafter reads the bonus (bonus_input): use 'sequential' or 'flex'"),
+        "mode 'parallel' drafts before the bonus is known and this drafter was trained to "
+        "read it (bonus_input without bonus_dropout): it drafts blind, poorly; "
+        "'sequential' or 'flex' suit it", warning=True),
     # -------------------------------------------------------------- train ----
     cli("train", "`--workdir` under a file",
         ["train", f"--config={TINY}", "--workdir", "{d}/afile/run"],
@@ -197,7 +199,7 @@ CASES = [
         "error: --workdir {d}/afile: a file is in the way (not a directory)"),
     cli("eval", "`--config.eval.batch_sizes=0`",
         ["eval", f"--config={EVAL}", "--config.eval.batch_sizes=0", "--workdir", "{d}/e"],
-        "error: --config.eval.batch_sizes and --config.ablation.batch_size must be >= 1, "
+        "error: --config.eval.batch_sizes and --config.ablation.batch_sizes must be >= 1, "
         "got 0"),
     cli("eval", "`--config.eval.temperatures=nan`",
         ["eval", f"--config={EVAL}", "--config.eval.temperatures=nan", "--workdir", "{d}/e"],

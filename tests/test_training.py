@@ -957,7 +957,8 @@ def test_eval_also_scores_the_held_out_questions_in_the_variants_formats(target,
   data.build_dataset(regen_dir)
   cfg = tiny.tiny_config(regen_dir, num_steps=2, eval_every=2)
   cfg.data.variant_weights.bench = 3
-  _, _, (packer, held, variants), _, _, info = train._setup(cfg)
+  _, _, (packer, held, variants, blind), _, _, info = train._setup(cfg)
+  assert blind is None                   # no bonus_dropout: nothing is scored blind
   held_q = {r.uid for r in held.records}
   assert len(held_q) == cfg.train.num_eval == info["eval_variant_records"]
   assert {r.uid for r in variants.records} == {q + "#bench" for q in held_q}

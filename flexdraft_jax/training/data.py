@@ -493,12 +493,15 @@ class Packer:
 
   def __init__(self, records: list, *, seq_len: int, anchors: int, block_size: int,
                pad_id: int, seed: int, source_weights=None, variant_weights=None,
-               width_multiple: int = 0):
+               width_multiple: int = 0, bonus_dropout: float = 0.0):
     if not records:
       raise FlexDraftError("no training records")
     self.records, self.seq_len, self.K = records, seq_len, anchors
     self.bs, self.pad_id, self.seed = block_size, pad_id, seed
     self.width_multiple = width_multiple
+    # > 0: each anchor block is drawn blind (`blind_BxK`: its bonus input
+    # dropped) with this probability; 1.0 scores parallel mode's drafting.
+    self.bonus_dropout = bonus_dropout
     self.deep_kv = None  # optional (k, v) per record, [N, L, K, T, D] each
     # An epoch visits each record `source_weights[source]` times (default 1),
     # times `variant_weights[variant]` for an answer to a prompt variant.
@@ -535,8 +538,11 @@ class Packer:
       ok = np.ones((K,), bool)
     else:
       anchors, ok = np.zeros((K,), np.int64), np.zeros((K,), bool)
-    return {"tokens_BxT": tokens, "length_B": np.int32(length),
-            "anchor_BxK": np.sort(anchors).astype(np.int32), "anchor_ok_BxK": ok}
+    out = {"tokens_BxT": tokens, "length_B": np.int32(length),
+           "anchor_BxK": np.sort(anchors).astype(np.int32), "anchor_ok_BxK": ok}
+    if self.bonus_dropout:
+      out["blind_BxK"] = rng.random(K) < self.bonus_dropout
+    return out
 
   def batch(self, indices, keys, width_of=None) -> dict:
     """Examples of records `indices`; a cut batch is as wide as the records

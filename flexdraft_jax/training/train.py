@@ -210,11 +210,15 @@ def _setup(config, workdir=None):
   pack = functools.partial(data.Packer, seq_len=tc.seq_len, block_size=dcfg.block_size,
                            pad_id=cfg.pad_token_id, seed=tc.seed,
                            width_multiple=tc.get("width_multiple", 0))
+  eval_pack = functools.partial(pack, anchors=tc.eval_anchors or tc.anchors_per_seq)
   packers = (pack(train_recs, anchors=tc.anchors_per_seq,
                   source_weights=dict(config.data.get("source_weights", {})),
-                  variant_weights=dict(config.data.get("variant_weights", {}))),
-             *(pack(rs, anchors=tc.eval_anchors or tc.anchors_per_seq) if rs else None
-               for rs in (eval_recs, variant_recs)))
+                  variant_weights=dict(config.data.get("variant_weights", {})),
+                  bonus_dropout=dcfg.bonus_dropout),
+             *(eval_pack(rs) if rs else None for rs in (eval_recs, variant_recs)),
+             # a drafter trained blind too is also scored blind (parallel mode)
+             eval_pack(eval_recs, bonus_dropout=1.0)
+             if eval_recs and dcfg.bonus_dropout else None)
 
   mesh = sharding.make_mesh(**dict(config.mesh))
   tx, schedule = make_optimizer(tc)
@@ -250,7 +254,7 @@ def _setup(config, workdir=None):
   shardings_ = {"state": state_sh, "target": target_sh, "replicated": rep,
                 "batch": sharding.batch_sharding(mesh)}
   if tc.precompute_kv:
-    for name, p in zip(("train", "eval", "eval_variants"), packers):
+    for name, p in zip(("train", "eval", "eval_variants", "eval"), packers):
       if p is not None:
         compute = functools.partial(iter_deep_kv, p, target_params, cfg, dcfg,
                                     tc, rep, name)  # rows -> batches
@@ -617,7 +621,7 @@ def _restore(mngr, state, made_by: dict):
 def _compile_ahead(steps, state, target_params, packers, mesh, tc, start):
   """Multi-process: compile before the first collective, then meet — compile
   times differ between processes by more than the collectives' set-up timeout."""
-  (train_step, eval_step), (packer, eval_packer, _) = steps, packers
+  (train_step, eval_step), (packer, eval_packer, *_) = steps, packers
   first = sharding.put_batch(packer.train_batch(start, tc.batch_size,
                                                 sharding.local_rows(tc.batch_size)),
                              mesh, tc.batch_size)
@@ -689,7 +693,7 @@ def _train(config, workdir: str, t_begin: float, run: dict) -> TrainResult:
     print(f"train: writing checkpoints, metrics and drafters to {os.path.abspath(workdir)}"
           f"{_other_writes(config, workdir)}", flush=True)
   state, target_params, packers, steps, mesh, info = _setup(config, workdir)
-  (packer, eval_packer, variant_packer), target = packers, info.pop("target")
+  (packer, eval_packer, variant_packer, blind_packer), target = packers, info.pop("target")
   fixed = info.pop("fixed_params")
   mngr = run["mngr"] = _checkpoint_manager(workdir, tc)
   made_by = {"target": target.name, "target_fingerprint": target.fingerprint,
@@ -702,7 +706,8 @@ def _train(config, workdir: str, t_begin: float, run: dict) -> TrainResult:
              # with a moving average, eval_* score it and these the trained weights
              + (["raw_eval_tau", "raw_eval_loss"] if state.ema is not None else [])
              + (["variant_eval_tau", "variant_eval_loss"] if variant_packer is not None
-                else []))
+                else [])
+             + (["blind_eval_tau", "blind_eval_loss"] if blind_packer is not None else []))
   log = run["log"] = MetricsLog(workdir, columns, enabled=is_main, resume_step=start)
   if is_main:
     print(f"train: {sharding.describe(mesh)}; {info['train_records']} train / "
@@ -733,13 +738,19 @@ def _train(config, workdir: str, t_begin: float, run: dict) -> TrainResult:
     # the source drafter was scored on (more data moves it), and the run's
     # best drafter must beat its starting point.
     ev = _evaluate(eval_step, scored_params(state), target_params, eval_packer, mesh, tc)
-    meta["best_tau"], meta["best_step"] = ev["eval_tau"], 0
+    if blind_packer is not None:
+      blind = _evaluate(eval_step, scored_params(state), target_params, blind_packer,
+                        mesh, tc)
+      ev.update(blind_eval_tau=blind["eval_tau"], blind_eval_loss=blind["eval_loss"])
+    meta["best_tau"], meta["best_step"] = _score(ev), 0
     _export(os.path.join(workdir, "best_drafter"), config, state, target, record(),
             is_main, fixed)
     log.write(0, {"mask_rows": meta["mask_rows"], **ev})
     if is_main:
+      blind = (f"; blind (parallel mode) {ev['blind_eval_tau']:.3f}"
+               if "blind_eval_tau" in ev else "")
       print(f"step 0 (warm start from {tc.init_from}): eval tau {ev['eval_tau']:.3f} "
-            f"loss {ev['eval_loss']:.3f}", flush=True)
+            f"loss {ev['eval_loss']:.3f}{blind}", flush=True)
   bar = run["bar"] = tqdm.tqdm(total=end, initial=start, disable=not is_main,
                               dynamic_ncols=True)
   run["step"] = start
@@ -777,9 +788,13 @@ def _train(config, workdir: str, t_begin: float, run: dict) -> TrainResult:
         var = _evaluate(eval_step, scored_params(state), target_params, variant_packer,
                         mesh, tc)
         ev.update(variant_eval_tau=var["eval_tau"], variant_eval_loss=var["eval_loss"])
+      if blind_packer is not None:
+        blind = _evaluate(eval_step, scored_params(state), target_params, blind_packer,
+                          mesh, tc)
+        ev.update(blind_eval_tau=blind["eval_tau"], blind_eval_loss=blind["eval_loss"])
       row.update(ev)
-      if ev["eval_tau"] > meta["best_tau"]:
-        meta["best_tau"], meta["best_step"] = ev["eval_tau"], done
+      if _score(ev) > meta["best_tau"]:
+        meta["best_tau"], meta["best_step"] = _score(ev), done
         with run_control.critical():  # not cut between its two renames
           _export(os.path.join(workdir, "best_drafter"), config, state, target,
                   record(), is_main, fixed)
@@ -787,6 +802,8 @@ def _train(config, workdir: str, t_begin: float, run: dict) -> TrainResult:
               else "")
       if variant_packer is not None:
         more += f"; prompt variants {ev['variant_eval_tau']:.3f}"
+      if blind_packer is not None:
+        more += f"; blind (parallel mode) {ev['blind_eval_tau']:.3f}"
       bar.write(f"step {done}: eval tau {ev['eval_tau']:.3f} loss {ev['eval_loss']:.3f} "
                 f"(best {meta['best_tau']:.3f} @ {meta['best_step']}){more}")
     if row:
@@ -816,6 +833,14 @@ def _train(config, workdir: str, t_begin: float, run: dict) -> TrainResult:
     with open(os.path.join(workdir, "summary.json"), "w") as f:
       json.dump(summary, f, indent=1)
   return TrainResult(summary, final.params)
+
+
+def _score(ev: dict) -> float:
+  """What picks the best drafter: held-out τ; for a drafter trained blind
+  too, the mean of its τ with the bonus read and blind."""
+  if "blind_eval_tau" in ev:
+    return 0.5 * (ev["eval_tau"] + ev["blind_eval_tau"])
+  return ev["eval_tau"]
 
 
 def _past(deadline: float, step: int, every: int) -> bool:
