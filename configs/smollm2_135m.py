@@ -8,6 +8,14 @@ configs/smollm2_135m.py` answers more of the prompt mix. To continue from the
 shipped drafter (a warm start with a fresh optimizer):
 --config.train.init_from=flexdraft_jax/drafters/smollm2_135m.
 
+More conversation data: the target writes N chat-style user questions on
+many topics (training/self_instruct.py; into data.paths.self_instruct, never
+near an MT-Bench question), then answers them:
+
+  python -m flexdraft_jax self-instruct --config configs/smollm2_135m.py --num=N
+  python -m flexdraft_jax regenerate --config configs/smollm2_135m.py \
+      --config.data.mix.self_instruct=N
+
 L=4 of 30 layers, block size 8, calibration rank 256 over an 8,192-token draft
 vocabulary, slot 0 reading the bonus (`bonus_input`: sequential and flex
 decoding; parallel mode refuses it): a 6.3 M-parameter drafter (12.6 MB in bf16).
@@ -40,7 +48,8 @@ def get_config():
   c.drafter.calib_rank = 256
   c.drafter.draft_vocab = 8192   # ≈ 99 % of the answer tokens (SPEC §7)
   c.drafter.bonus_input = True   # the A/B: τ 1.43 vs 1.18 at 65 k mask rows
-  c.data.mix = dict(gsm8k=400, mbpp=200, arena_hard_v01=100, arena_hard_v20=100)
+  c.data.mix = dict(gsm8k=400, mbpp=200, arena_hard_v01=100, arena_hard_v20=100,
+                    self_instruct=0)
   c.data.max_prompt_tokens = 192
   c.data.max_new_tokens = 256
   c.data.batch_size = 32

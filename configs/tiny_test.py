@@ -19,7 +19,7 @@ def get_config():
   c.drafter.num_layers = 2
   c.drafter.block_size = 4
   c.drafter.calib_rank = 16
-  c.data.mix = dict(gsm8k=6, mbpp=4, arena_hard_v01=2, arena_hard_v20=0)
+  c.data.mix = dict(gsm8k=6, mbpp=4, arena_hard_v01=2, arena_hard_v20=0, self_instruct=0)
   # Byte-level prompts: GSM8K/MBPP prompts with their instruction are ~250-500
   # tokens. A prompt must leave room in seq_len for an anchor block and its
   # answer (training refuses data where most sequences have none).

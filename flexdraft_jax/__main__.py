@@ -1,11 +1,13 @@
-"""`python -m flexdraft_jax COMMAND [flags]`: generate, regenerate, train, eval, and
-the drafter tools (add-ngram, offline-tau, learning-curve, build-kernel)."""
+"""`python -m flexdraft_jax COMMAND [flags]`: generate, self-instruct, regenerate,
+train, eval, and the drafter tools (add-ngram, offline-tau, learning-curve,
+build-kernel)."""
 
 import importlib
 import sys
 
 COMMANDS = {
     "generate": "flexdraft_jax.cli",
+    "self-instruct": "flexdraft_jax.training.self_instruct",
     "regenerate": "flexdraft_jax.training.regenerate",
     "train": "flexdraft_jax.training.train",
     "eval": "flexdraft_jax.evaluation.sweep",

@@ -1,7 +1,8 @@
 """The shared shape of a training config; configs/*.py fill it in.
 
 Paths default to `$FLEXDRAFT_DATA` (else `<repo>/../shared/data`) for prompt
-files and `$FLEXDRAFT_RUNS` (else `<repo>/../runs`) for regenerated data.
+files and `$FLEXDRAFT_RUNS` (else `<repo>/../runs`) for regenerated data and
+the questions the target wrote (self_instruct).
 """
 
 from __future__ import annotations
@@ -43,18 +44,25 @@ def base_config(name: str) -> ml_collections.ConfigDict:
   # Training visits a source's answers this many times an epoch (default 1),
   # e.g. {"gsm8k": 2} to lean on math; 0 leaves a source out.
   c.data.source_weights = ml_collections.ConfigDict(dict(
-      gsm8k=1, mbpp=1, arena_hard_v01=1, arena_hard_v20=1))
+      gsm8k=1, mbpp=1, arena_hard_v01=1, arena_hard_v20=1, self_instruct=1))
   # ... and an answer to a prompt variant (data.VARIANTS) that many times more,
   # e.g. {"bench": 2}: the benchmarks' own instructions, whose answers are the
   # ones online τ is measured on.
   c.data.variant_weights = ml_collections.ConfigDict(dict(bench=1, fn=1, doc=1))
   c.data.mix = ml_collections.ConfigDict(dict(
-      gsm8k=400, mbpp=200, arena_hard_v01=100, arena_hard_v20=100))
+      gsm8k=400, mbpp=200, arena_hard_v01=100, arena_hard_v20=100, self_instruct=0))
   c.data.paths = ml_collections.ConfigDict(dict(
       gsm8k=os.path.join(root, "gsm8k", "train.jsonl"),
       mbpp=os.path.join(root, "mbpp", "mbpp.jsonl"),
       arena_hard_v01=os.path.join(root, "arena_hard", "question_v0.1.jsonl"),
-      arena_hard_v20=os.path.join(root, "arena_hard", "question_v2.0.jsonl")))
+      arena_hard_v20=os.path.join(root, "arena_hard", "question_v2.0.jsonl"),
+      # questions the target wrote (`python -m flexdraft_jax self-instruct`)
+      self_instruct=os.path.join(runs_root(), "self_instruct", f"{name}.jsonl")))
+  # How `self-instruct` samples them; questions near an MT-Bench turn (an
+  # evaluation set) are dropped ("" or a missing file: not checked, with a note).
+  c.data.self_instruct = ml_collections.ConfigDict(dict(
+      seed=0, temperature=0.8, top_p=0.95, max_new_tokens=48, batch_size=32,
+      mt_bench=os.path.join(root, "mt_bench", "question.jsonl")))
   c.data.suffix = ml_collections.ConfigDict(dict(gsm8k=MATH_SUFFIX, mbpp=CODE_SUFFIX))
   c.data.chat_kwargs = ml_collections.ConfigDict()  # e.g. enable_thinking=False
   # "" (the mix as above) or a name in data.VARIANTS: the mix's questions framed
@@ -215,7 +223,8 @@ def qwen3_config(name: str, env_var: str, default_path: str, num_layers: int):
   c.drafter.num_layers = num_layers
   c.drafter.block_size = 16
   c.drafter.calib_rank = 256
-  c.data.mix = dict(gsm8k=-1, mbpp=-1, arena_hard_v01=-1, arena_hard_v20=-1)
+  c.data.mix = dict(gsm8k=-1, mbpp=-1, arena_hard_v01=-1, arena_hard_v20=-1,
+                    self_instruct=0)
   c.data.chat_kwargs = dict(enable_thinking=False)
   c.data.max_prompt_tokens = 1024
   c.data.max_new_tokens = 1024

@@ -1,10 +1,11 @@
 """Training data: prompt sources, the regenerated tfds dataset, packing, batch order.
 
-Flow: `load_prompts` (GSM8K train, MBPP 511–974, Arena-Hard; never eval sets)
--> regenerate.py writes answered prompts as JSONL shards -> `build_dataset`
-turns the shards into a tfds dataset (array_record) -> `load_records` reads it
-back through `as_data_source` -> `Packer` makes fixed-shape batches whose
-order and anchors depend only on (seed, step).
+Flow: `load_prompts` (GSM8K train, MBPP 511–974, Arena-Hard, questions the
+target wrote (self_instruct.py); never eval sets) -> regenerate.py writes
+answered prompts as JSONL shards -> `build_dataset` turns the shards into a
+tfds dataset (array_record) -> `load_records` reads it back through
+`as_data_source` -> `Packer` makes fixed-shape batches whose order and anchors
+depend only on (seed, step).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from flexdraft_jax.evaluation.benchmarks import (CODE_INSTRUCTION, MATH_INSTRUCT
 from flexdraft_jax.model.config import FlexDraftError
 
 DATASET_NAME = "flexdraft_regen"
-SOURCES = ("gsm8k", "mbpp", "arena_hard_v01", "arena_hard_v20")
+SOURCES = ("gsm8k", "mbpp", "arena_hard_v01", "arena_hard_v20", "self_instruct")
 
 
 class Prompt(NamedTuple):
@@ -81,6 +82,11 @@ def read_source(source: str, path: str, suffix: str = "", variant: str = "") -> 
               for r in tasks]
   elif source.startswith("arena_hard"):
     rows = [Prompt(f"{source}:{r['uid']}", source, r["prompt"]) for r in _jsonl(path)]
+  elif source == "self_instruct":  # uids are "self_instruct:SEED-CANDIDATE" already
+    if not os.path.isfile(path):
+      raise FlexDraftError(f"no self-instruct questions at {path}: make them first with "
+                           "python -m flexdraft_jax self-instruct --config CONFIG --num=N")
+    rows = [Prompt(r["uid"], source, r["question"]) for r in _jsonl(path)]
   else:
     raise FlexDraftError(f"unknown prompt source {source!r} (known: {', '.join(SOURCES)})")
   if suffix:

@@ -1,0 +1,462 @@
+"""`python -m flexdraft_jax self-instruct`: the target writes chat-style user
+questions on many topics, a prompt source (`self_instruct`) for `regenerate`.
+
+  python -m flexdraft_jax self-instruct --config configs/smollm2_135m.py --num=2000
+  python -m flexdraft_jax regenerate --config configs/smollm2_135m.py \\
+      --config.data.mix.self_instruct=2000
+
+For each candidate (a topic seed from `TOPICS`, a style from `STYLES` and one
+of its openers) the target gets the style's instruction through its chat
+template, its answer already begun with the opener inside a quote
+(`Here is such a request: "Compare`), and samples the rest
+(`config.data.self_instruct`: temperature, top_p, max_new_tokens, seed).
+`clean_question` keeps the quoted question when it is one sensible line on
+its topic; exact and reordered duplicates are dropped, and so is anything
+close to an MT-Bench question (`config.data.self_instruct.mt_bench`, an
+evaluation set that is never trained on; a missing file skips that filter
+with a note).
+
+The questions go to `config.data.paths.self_instruct` (or --out) as JSON
+lines: uid, source, question, topic, style, opener, candidate and the
+generation settings. The file is the same for a given seed, target and
+settings; candidates are sampled in fixed batches, so a larger --num extends
+a file (its first questions stay as they are) and an interrupted run resumes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from typing import Iterable, NamedTuple, Optional
+
+import numpy as np
+
+from flexdraft_jax.model.config import FlexDraftError
+
+SOURCE = "self_instruct"
+
+# Topic seeds: short phrases over what people ask a chat assistant about.
+TOPICS = (
+    # everyday life and home
+    "morning routines", "cleaning a small apartment", "moving to a new city",
+    "caring for houseplants", "organizing a closet", "doing laundry",
+    "fixing a leaking faucet", "painting a bedroom", "choosing a mattress",
+    "living with roommates", "adopting a dog", "training a puppy", "caring for a cat",
+    "planning a birthday party", "buying a used car", "reducing screen time",
+    "decluttering", "grocery shopping on a budget", "composting at home",
+    "keeping a journal",
+    # food and cooking
+    "baking bread", "cooking pasta", "making soup", "vegetarian meals",
+    "meal prepping for the week", "knife skills", "spices", "grilling vegetables",
+    "fermenting vegetables", "making coffee at home", "brewing tea",
+    "baking cookies", "food safety", "cooking rice", "breakfast ideas",
+    # writing and language
+    "writing a cover letter", "writing a short story", "writing a poem",
+    "writing a persuasive essay", "email etiquette", "grammar rules",
+    "learning Spanish", "learning Japanese", "idioms", "public speaking",
+    "writing a speech for a wedding", "editing a draft", "writing dialogue",
+    "naming a character", "writing a product description", "book reviews",
+    "writing a thank-you note", "summarizing an article", "punctuation",
+    # science
+    "photosynthesis", "black holes", "the water cycle", "volcanoes",
+    "earthquakes", "DNA", "vaccines", "the immune system", "climate change",
+    "renewable energy", "electric circuits", "magnets", "the periodic table",
+    "chemical reactions", "the solar system", "the moon", "gravity",
+    "evolution", "bacteria and viruses", "ocean currents", "weather forecasts",
+    "rainbows", "sound waves", "the speed of light", "quantum computing",
+    "the human brain", "sleep science", "dinosaurs", "bees", "coral reefs",
+    # history
+    "the Roman Empire", "ancient Egypt", "the French Revolution",
+    "the Industrial Revolution", "the printing press", "the Silk Road",
+    "the Renaissance", "the Cold War", "the moon landing", "medieval castles",
+    "the history of the internet", "ancient Greece", "the Vikings",
+    "the invention of the telephone", "the history of money",
+    "world war one", "the abolition of slavery", "the history of medicine",
+    "explorers of the fifteenth century", "the history of chess",
+    # coding and technology
+    "Python lists", "Python dictionaries", "recursion", "sorting algorithms",
+    "binary search", "Git branches", "unit testing", "SQL joins",
+    "regular expressions", "JavaScript promises", "CSS layouts", "HTML forms",
+    "REST APIs", "debugging a program", "object-oriented programming",
+    "linked lists", "hash tables", "Linux command line", "Docker containers",
+    "writing clean code", "learning to program", "password security",
+    "backing up files", "choosing a laptop", "spreadsheets", "machine learning",
+    "neural networks", "cloud storage", "home Wi-Fi", "smartphone batteries",
+    # business and work
+    "starting a small business", "writing a business plan", "marketing on social media",
+    "job interviews", "asking for a raise", "remote work", "time management",
+    "running a meeting", "giving feedback to a colleague", "negotiating a salary",
+    "customer service", "pricing a product", "freelancing", "writing a resume",
+    "leading a team", "managing stress at work", "networking events",
+    "career changes", "project deadlines", "opening a cafe",
+    # money
+    "saving money", "making a budget", "paying off debt", "credit scores",
+    "investing for beginners", "retirement savings", "renting versus buying a home",
+    "taxes for freelancers", "emergency funds", "comparing phone plans",
+    # health and fitness
+    "running a first 5k", "strength training", "stretching", "healthy snacks",
+    "drinking enough water", "better sleep", "back pain from sitting",
+    "meditation", "managing anxiety", "yoga for beginners", "cycling to work",
+    "eating more vegetables", "walking every day", "posture",
+    "first aid for minor cuts", "seasonal allergies", "swimming lessons",
+    # travel and geography
+    "a trip to Japan", "a weekend in Paris", "packing light", "traveling on a budget",
+    "long flights", "jet lag", "camping in the mountains", "road trips",
+    "visiting national parks", "learning local customs", "travel insurance",
+    "train travel in Europe", "hiking safety", "the Amazon rainforest",
+    "deserts", "island vacations", "traveling with children", "the Alps",
+    "backpacking in South America", "visiting museums abroad",
+    # arts, culture and hobbies
+    "learning the guitar", "piano practice", "jazz", "classical music",
+    "film history", "photography", "drawing portraits", "watercolor painting",
+    "knitting", "pottery", "board games", "chess openings", "gardening",
+    "birdwatching", "writing song lyrics", "modern architecture",
+    "famous paintings", "science fiction novels", "mystery novels", "poetry forms",
+    "stand-up comedy", "video game design", "podcasting", "origami",
+    # sports
+    "soccer rules", "basketball drills", "tennis serves", "the Olympic Games",
+    "marathon training", "rock climbing", "skiing", "team sports for kids",
+    # nature and environment
+    "recycling", "endangered species", "bird migration", "rivers", "forests",
+    "plastic pollution", "solar panels", "saving water", "wild mushrooms",
+    "urban gardens",
+    # society, ethics and civics
+    "how elections work", "freedom of speech", "privacy online", "fake news",
+    "volunteering", "the ethics of artificial intelligence", "the trolley problem",
+    "free will", "happiness", "stoic philosophy", "the meaning of fairness",
+    "how laws are made", "jury duty", "renting an apartment legally",
+    "consumer rights", "copyright", "city planning", "public transport",
+    # relationships and people
+    "making new friends", "resolving an argument", "long-distance relationships",
+    "raising teenagers", "talking to a shy child", "being a good listener",
+    "apologizing", "setting boundaries", "supporting a grieving friend",
+    "planning a family reunion",
+    # learning and school
+    "studying for exams", "taking good notes", "learning faster", "homework help",
+    "choosing a university", "writing a research paper", "teaching a class",
+    "online courses", "memorizing vocabulary", "motivation to study",
+    # math and reasoning
+    "fractions", "percentages", "probability", "prime numbers", "geometry",
+    "algebra word problems", "statistics", "logic puzzles", "riddles",
+    "estimating quantities", "compound interest", "unit conversions",
+    "the Monty Hall problem", "patterns in numbers", "making decisions with data",
+    # roleplay personas
+    "a ship's captain", "a medieval knight", "a museum tour guide",
+    "a detective", "a personal trainer", "a travel agent", "a chef",
+    "a history teacher", "a job interviewer", "a tech support agent",
+    "a space explorer", "a wise old wizard", "a career coach",
+    "a librarian", "a park ranger",
+)
+
+
+class Style(NamedTuple):
+  instruction: str      # the user turn: "{topic}" filled in
+  lead: str             # the answer begun for the target (ends inside a quote)
+  openers: tuple        # the question's first words, one per candidate
+
+
+_REQUEST = "Here is such a request:\n\n\""
+STYLES = {
+    "ask": Style("Write one question a user might ask an AI assistant about {topic}.",
+                 "Here is a question a user might ask about {topic}:\n\n\"",
+                 ("How", "What", "Why", "Which", "What is the best way to", "Should I",
+                  "Is it true that", "When")),
+    "explain": Style("Write one request a user might send an AI assistant, asking it to "
+                     "explain something about {topic}.", _REQUEST,
+                     ("Can you explain", "Explain", "Could you explain how",
+                      "Please explain why")),
+    "write": Style("Write one request a user might send an AI assistant, asking it to "
+                   "write something about {topic}.", _REQUEST,
+                   ("Write a", "Write a short", "Draft a", "Compose a")),
+    "compare": Style("Write one request a user might send an AI assistant, asking it to "
+                     "compare two things about {topic}.", _REQUEST,
+                     ("Compare", "What are the differences between", "Which is better,")),
+    "plan": Style("Write one request a user might send an AI assistant, asking for help "
+                  "to plan something about {topic}.", _REQUEST,
+                  ("Help me plan", "Make a plan", "Create a schedule", "Can you help me")),
+    "advise": Style("Write one request a user might send an AI assistant, asking for "
+                    "advice about {topic}.", _REQUEST,
+                    ("I want to", "I'm trying to", "Give me tips", "What should I do")),
+    "list": Style("Write one request a user might send an AI assistant, asking for a "
+                  "list about {topic}.", _REQUEST,
+                  ("List", "Give me five", "What are some")),
+    "roleplay": Style("Write one request a user might send an AI assistant, asking it to "
+                      "play a role related to {topic}.", _REQUEST,
+                      ("Pretend you are", "Act as", "Imagine you are")),
+    "reason": Style("Write one question about {topic} that needs careful step-by-step "
+                    "reasoning.", "Here is such a question:\n\n\"",
+                    ("If", "Suppose", "Why does", "How many")),
+}
+
+# Words too common to tell questions apart (for duplicates and MT-Bench overlap).
+_STOP = frozenset("""a an the and or but if of to in on at by for with about from into
+as is are was were be been being am do does did doing have has had can could would
+should will shall may might must you your yours i me my we our us it its this that
+these those there their they them he she his her him what which who whom whose why
+how when where not no yes so than then too very just also please some any more most
+other such own same only one two""".split())
+_META = ("ai assistant", "a user might", "such a request", "such a question",
+         "here is a", "here's a", "this question", "this request", "as an ai",
+         "i'm here to", "i am here to", "i'm ready", "rhetorical", "step-by-step reasoning",
+         "play a role", "asking it to",
+         "user's request", "user:", "assistant:", "the following", "below", "[")
+_META_WORDS = re.compile(r"\b(?:the|an|ai) ai\b")  # the model speaking of itself
+# A word again one word later ("support and support", "DIY DIY"; not "step by step").
+_REPEAT = re.compile(r"\b(\w{3,})(?:\W+(?!by\b|to\b)\w+)?\W+\1\b", re.IGNORECASE)
+# Openers that start a question: what follows must ask something (hold a "?").
+_ASKING = frozenset("How What Why Which When Should Is Can Could".split())
+_LABEL = re.compile(r"^\s*(?:(?:question|request|user|prompt|query|q)\s*[:\-]|\d+[.)]|[-*•])\s*",
+                    re.IGNORECASE)
+_CLOSE = re.compile(r"(?<=[?.!])\"|\"\s*(?:\n|$)")
+MIN_WORDS, MAX_WORDS, MAX_CHARS = 4, 60, 300
+MAX_PROMPT_TOKENS = 256
+
+
+def content_words(text: str) -> frozenset:
+  """The lower-cased words of `text` that carry meaning (no stop words, > 2 letters)."""
+  return frozenset(w for w in re.findall(r"[a-z0-9']+", text.lower())
+                   if len(w) > 2 and w not in _STOP)
+
+
+def _on_topic(question: str, topic: str) -> bool:
+  """Whether the question names its topic: a topic word's first 4 letters
+  start one of its words (`bake` meets `baking`)."""
+  words = re.findall(r"[a-z0-9]+", question.lower())
+  stems = [w[:4] for w in content_words(topic)] or [""]
+  return any(w.startswith(s) for s in stems for w in words)
+
+
+def clean_question(text: str, topic: str = "", asking: bool = False) -> Optional[str]:
+  """The user question in a sampled answer (opener included), or None when
+  there is none: the text up to the quote that closes it (else its first
+  line), label and quotes stripped, cut after its last full sentence; it must
+  end with ? . or !, hold MIN_WORDS..MAX_WORDS words (<= MAX_CHARS chars),
+  not talk about the instruction itself, given a `topic` name it, and with
+  `asking` hold a question mark."""
+  t = text.replace("\r", "")
+  m = _CLOSE.search(t)
+  t = t[:m.start()] if m else t.split("\n", 1)[0]
+  t = t.split("\n", 1)[0]
+  while (s := _LABEL.sub("", t, count=1)) != t:
+    t = s
+  t = " ".join(t.strip().strip("\"'*`“”").split())
+  ends = [i for i, c in enumerate(t) if c in "?.!" and (i + 1 == len(t) or t[i + 1] == " ")]
+  if not ends:
+    return None
+  t = t[:ends[-1] + 1]
+  low = t.lower()
+  if (not MIN_WORDS <= len(t.split()) <= MAX_WORDS or len(t) > MAX_CHARS
+      or not t[0].isalpha() or not t[0].isupper() or "\ufffd" in t or "```" in t
+      or "http" in low or any(m in low for m in _META) or _META_WORDS.search(low)
+      or _REPEAT.search(t)
+      or sum(not c.isascii() for c in t) > 0.1 * len(t)):
+    return None
+  if (topic and not _on_topic(t, topic)) or (asking and "?" not in t):
+    return None
+  return t
+
+
+def near(words: frozenset, other: frozenset) -> bool:
+  """Near-duplicates by content words: Jaccard >= 0.5, or >= 4 shared words
+  that are >= 75 % of the shorter one's."""
+  shared = len(words & other)
+  if not shared:
+    return False
+  return (shared / len(words | other) >= 0.5
+          or shared >= 4 and shared >= 0.75 * min(len(words), len(other)))
+
+
+def read_avoid(path: str) -> list:
+  """Content-word sets of every turn of an MT-Bench style file (JSON lines with
+  `turns`); [] and a printed note when `path` is empty or missing."""
+  if not path or not os.path.isfile(path):
+    print(f"self-instruct: no MT-Bench file at {path!r} (config.data.self_instruct."
+          "mt_bench): questions are not checked against it", flush=True)
+    return []
+  with open(path, encoding="utf-8") as f:
+    rows = [json.loads(line) for line in f if line.strip()]
+  return [w for r in rows for turn in r.get("turns", []) if (w := content_words(turn))]
+
+
+class Candidate(NamedTuple):
+  index: int
+  topic: str
+  style: str
+  opener: str
+
+
+def candidates(seed: int, start: int = 0) -> Iterable[Candidate]:
+  """Candidates `start`, `start + 1`, ...: every (topic, style, opener) once in
+  a seeded order, then again in another order (sampling differs each pass)."""
+  combos = [(t, s, o) for t in TOPICS for s, st in STYLES.items() for o in st.openers]
+  k = start
+  while True:
+    cycle, pos = divmod(k, len(combos))
+    order = np.random.default_rng([seed, cycle]).permutation(len(combos))
+    for p in order[pos:]:
+      yield Candidate(k, *combos[p])
+      k += 1
+
+
+def question_of(cand: Candidate, text: str) -> Optional[str]:
+  """The question a candidate's sampled continuation `text` makes, or None."""
+  if text[:1] not in (" ", ",", "'", "?"):  # "List" -> "Listing", "List-B": no request
+    return None
+  asking = cand.style in ("ask", "reason") or cand.opener.split()[0] in _ASKING
+  return clean_question(cand.opener + text, cand.topic, asking=asking)
+
+
+def candidate_ids(tokenizer, cand: Candidate, chat_kwargs: dict) -> list:
+  """The target's input for one candidate: the instruction through the chat
+  template, then the answer begun (lead + opener)."""
+  from flexdraft_jax.training.regenerate import prompt_ids
+  style = STYLES[cand.style]
+  ids = prompt_ids(tokenizer, style.instruction.format(topic=cand.topic), chat_kwargs)
+  lead = style.lead.format(topic=cand.topic) + cand.opener
+  return ids + [int(t) for t in tokenizer.encode(lead, add_special_tokens=False)]
+
+
+def _batch_seed(seed: int, batch: int) -> int:
+  from flexdraft_jax.training.data import stable_int
+  return stable_int(f"{SOURCE}:{seed}:{batch}") & 0x7FFFFFFF
+
+
+def settings(config, target) -> dict:
+  """The generation settings a file's questions were made with."""
+  sc = config.data.self_instruct
+  return {"target": target.name, "target_fingerprint": target.fingerprint,
+          "seed": int(sc.seed), "temperature": float(sc.temperature),
+          "top_p": float(sc.top_p), "max_new_tokens": int(sc.max_new_tokens),
+          "batch_size": int(sc.batch_size), "chat_kwargs": dict(config.data.chat_kwargs),
+          "mt_bench_filter": bool(sc.mt_bench and os.path.isfile(sc.mt_bench))}
+
+
+def make_questions(target, num: int, gen: dict, *, avoid=(), rows=(), chat_kwargs=None,
+                   max_batches: int = 0, on_batch=None) -> list:
+  """`rows` (earlier questions of the same `gen` settings) followed by new ones
+  until there are `num`; `avoid`: content-word sets no question may be near.
+  Candidates are sampled `gen["batch_size"]` at a time (batch b with seed
+  `_batch_seed(seed, b)`), so the rows are the same however often a run is
+  resumed. `on_batch(rows, seconds)` after each batch; `max_batches` > 0
+  stops after that many new batches."""
+  from flexdraft_jax.decoding.engine import generate
+  from flexdraft_jax.util import round_up
+  rows, bs = list(rows), gen["batch_size"]
+  seen = {content_words(r["question"]) for r in rows}
+  last = rows[-1]["candidate"] if rows else -1
+  batch = (last + 1) // bs if rows else 0
+  if rows and last % bs != bs - 1:
+    batch = last // bs  # redo the batch the file ends in: candidates after `last`
+  max_len = round_up(MAX_PROMPT_TOKENS + gen["max_new_tokens"], 64)
+  stream = candidates(gen["seed"], batch * bs)
+  done = 0
+  while len(rows) < num and not (max_batches and done >= max_batches):
+    chunk = [next(stream) for _ in range(bs)]
+    ids = [candidate_ids(target.tokenizer, c, chat_kwargs or {}) for c in chunk]
+    if max(map(len, ids)) > MAX_PROMPT_TOKENS:  # one cache size: one compile
+      raise FlexDraftError(f"a self-instruct prompt is over {MAX_PROMPT_TOKENS} tokens")
+    t0 = time.perf_counter()
+    res = generate(target, ids, max_new_tokens=gen["max_new_tokens"],
+                   temperature=gen["temperature"], top_p=gen["top_p"],
+                   seed=_batch_seed(gen["seed"], batch), batch_size=bs, max_len=max_len)
+    dt = time.perf_counter() - t0
+    for c, text in zip(chunk, res.texts):
+      if c.index <= last or len(rows) >= num:
+        continue
+      q = question_of(c, text)
+      words = content_words(q or "")
+      if not q or words in seen or any(near(words, a) for a in avoid):
+        continue
+      seen.add(words)
+      rows.append({"uid": f"{SOURCE}:{gen['seed']}-{c.index:06d}", "source": SOURCE,
+                   "question": q, "topic": c.topic, "style": c.style,
+                   "opener": c.opener, "candidate": c.index, "generation": gen})
+    batch, done = batch + 1, done + 1
+    if on_batch:
+      on_batch(rows, dt)
+  return rows
+
+
+def read_questions(path: str) -> list:
+  if not os.path.isfile(path):
+    return []
+  with open(path, encoding="utf-8") as f:
+    return [json.loads(line) for line in f if line.strip()]
+
+
+def write_questions(path: str, rows: list) -> None:
+  """Writes the rows as JSON lines, atomically."""
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  with open(path + ".tmp", "w", encoding="utf-8") as f:
+    for r in rows:
+      f.write(json.dumps(r, ensure_ascii=False) + "\n")
+  os.replace(path + ".tmp", path)
+
+
+def self_instruct(config, num: int, out: str = "") -> dict:
+  """Makes (or extends) the question file `out` (default
+  `config.data.paths.self_instruct`) to `num` questions; returns counts."""
+  from flexdraft_jax.model import loading
+  out = out or config.data.paths[SOURCE]
+  sc = config.data.self_instruct
+  avoid = read_avoid(sc.mt_bench)
+  target = loading.load_target(config.target, config.dtype)
+  gen = settings(config, target)
+  rows = read_questions(out)
+  if rows and rows[0].get("generation") != gen:
+    raise FlexDraftError(f"{out} holds questions made with other settings "
+                         f"({rows[0].get('generation')}); use another --out")
+  if len(rows) >= num:
+    print(f"self-instruct: {out} holds {len(rows)} questions already (>= --num={num})",
+          flush=True)
+    return {"out": out, "questions": len(rows), "new": 0}
+  print(f"self-instruct: {len(rows)} questions in {out}, making {num - len(rows)} more "
+        f"with {target.name}", flush=True)
+  tried = {"batches": 0, "seconds": 0.0}
+
+  def on_batch(new_rows, seconds):
+    tried["batches"] += 1
+    tried["seconds"] += seconds
+    write_questions(out, new_rows)
+    print(f"self-instruct: {len(new_rows)}/{num} questions ({seconds:.1f}s a batch)",
+          flush=True)
+
+  before = len(rows)
+  first = rows[-1]["candidate"] + 1 if rows else 0
+  rows = make_questions(target, num, gen, avoid=avoid, rows=rows,
+                        chat_kwargs=dict(config.data.chat_kwargs), on_batch=on_batch)
+  write_questions(out, rows)
+  made = len(rows) - before
+  seen = rows[-1]["candidate"] + 1 - first if made else tried["batches"] * gen["batch_size"]
+  stats = {"out": out, "questions": len(rows), "new": made, "candidates": seen,
+           "kept": round(made / seen, 3) if seen else None,
+           "seconds": round(tried["seconds"], 1),
+           "questions_per_s": round(made / tried["seconds"], 3) if tried["seconds"] else None}
+  print(json.dumps(stats), flush=True)
+  return stats
+
+
+def run(argv):
+  """Entry from `python -m flexdraft_jax self-instruct`."""
+  from absl import flags
+
+  from flexdraft_jax import cli_util
+  for name in ("num", "out"):
+    if name in flags.FLAGS:
+      delattr(flags.FLAGS, name)
+  cli_util.define_flags(argv, workdir=False)
+  flags.DEFINE_integer("num", 0, "(required) questions the file should hold")
+  flags.DEFINE_string("out", "", "the question file (default: config.data.paths."
+                      "self_instruct, where regenerate reads it)")
+
+  def main(args):
+    if len(args) > 1:
+      raise FlexDraftError(f"unexpected arguments: {' '.join(args[1:])}")
+    config = cli_util.load_config("configs/smollm2_135m.py")
+    if flags.FLAGS.num < 1:
+      raise FlexDraftError("--num must be >= 1 (questions the file should hold)")
+    self_instruct(config, flags.FLAGS.num, flags.FLAGS.out)
+
+  cli_util.run_main(main, argv, doc=__doc__, key_flags=("config", "num", "out"))
