@@ -76,7 +76,9 @@ def probe_step_seconds(config, steps: int, target: str = "") -> tuple:
     probe.train.eval_every = 0
     probe.target = target
   t0 = time.perf_counter()
-  state, target_params, (packer, *_), (train_step, _), mesh, _ = train._setup(probe, None)
+  su = train.setup(probe, None)
+  state, target_params, packer, (train_step, _), mesh = (
+      su.state, su.target_params, su.packers.train, su.steps, su.mesh)
   rows = sharding.local_rows(probe.train.batch_size)
 
   def one(step):

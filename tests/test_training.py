@@ -19,7 +19,9 @@ from flexdraft_jax.drafter import checkpoint as drafter_ckpt  # noqa: E402
 from flexdraft_jax.drafter.model import DrafterConfig, init_draft_params  # noqa: E402
 from flexdraft_jax.model import transformer  # noqa: E402
 from flexdraft_jax.model.config import FlexDraftError  # noqa: E402
-from flexdraft_jax.training import data, loss as loss_lib, sharding, train  # noqa: E402
+from flexdraft_jax.training import (data, kv_cache, loss as loss_lib, sharding,  # noqa: E402
+                                    train)
+from flexdraft_jax.training.config import base_config  # noqa: E402
 from flexdraft_jax.paths import data_root  # noqa: E402
 
 # Subprocesses share the suite's compile cache (tests/conftest.py).
@@ -365,7 +367,7 @@ def _fake_kv_cache(tmp_path, uids):
     return compute
 
   def cached(n, name="train"):
-    return train._cached_deep_kv(str(tmp_path), name, "fp", packer,
+    return kv_cache.cached_deep_kv(str(tmp_path), name, "fp", packer,
                                  DrafterConfig(num_layers=n), compute_for(n))
   return packer, cached, calls
 
@@ -388,7 +390,7 @@ def test_deep_kv_cache_stores_the_asked_dtype_and_serves_either(tmp_path):
     calls.append([packer.records[i].uid for i in rows])
     yield from _fake_batches(packer, rows, 2)
 
-  k16, v16 = train._cached_deep_kv(str(tmp_path), "train", "fp", packer,
+  k16, v16 = kv_cache.cached_deep_kv(str(tmp_path), "train", "fp", packer,
                                    DrafterConfig(num_layers=2), compute, dtype="float16")
   assert k16.dtype == np.float16 and np.load(tmp_path / "train_v.npy").dtype == np.float16
   expect = np.array([[[ord(u) * 100 + layer] * 3 for layer in range(2)] for u in "ab"],
@@ -397,7 +399,7 @@ def test_deep_kv_cache_stores_the_asked_dtype_and_serves_either(tmp_path):
   np.testing.assert_array_equal(v16, -expect.astype(np.float16))
   # more records at the compute dtype: a float32 shard beside the float16 one
   packer.records.append(types.SimpleNamespace(uid="c"))
-  k, _ = train._cached_deep_kv(str(tmp_path), "train", "fp", packer,
+  k, _ = kv_cache.cached_deep_kv(str(tmp_path), "train", "fp", packer,
                                DrafterConfig(num_layers=2), compute)
   assert calls == [["a", "b"], ["c"]]
   assert np.load(tmp_path / "train-1_k.npy").dtype == np.float32
@@ -443,7 +445,7 @@ def test_deep_kv_cache_resumes_an_interrupted_pass(tmp_path):
       yield batch
 
   with pytest.raises(KeyboardInterrupt):
-    train._cached_deep_kv(str(tmp_path), "train", "fp", packer,
+    kv_cache.cached_deep_kv(str(tmp_path), "train", "fp", packer,
                           DrafterConfig(num_layers=3), interrupted, flush_every=0.0)
   assert not (tmp_path / "train.json").exists()     # not a finished cache
   assert len(json.load(open(tmp_path / "train.tmp.json"))["done"]) == 2
@@ -463,13 +465,13 @@ def test_deep_kv_cache_refuses_a_pass_the_disk_cannot_hold(tmp_path, monkeypatch
   cached(2)
   packer.records.append(types.SimpleNamespace(uid="c"))
   # record c needs 2 (K, V) x 2 layers x 3 values x 4 bytes = 48 bytes
-  monkeypatch.setattr(train.shutil, "disk_usage",
+  monkeypatch.setattr(kv_cache.shutil, "disk_usage",
                       lambda d: types.SimpleNamespace(free=47))
   with pytest.raises(FlexDraftError, match=r"clean K/V of 1 records needs .* GB more under"):
     cached(2)
   assert sorted(f.name for f in tmp_path.iterdir()) == ["train.json", "train_k.npy",
                                                         "train_v.npy"]
-  monkeypatch.setattr(train.shutil, "disk_usage",
+  monkeypatch.setattr(kv_cache.shutil, "disk_usage",
                       lambda d: types.SimpleNamespace(free=48))
   k, _ = cached(2)
   assert calls[-1] == (2, ["c"]) and k.shape == (3, 2, 3)
@@ -554,8 +556,9 @@ def test_walk_tau_visits_the_anchors_decoding_would():
 def test_only_drafter_is_trained_and_target_is_bit_identical(regen, tmp_path):
   # (with the clean K/V precomputed once per sequence: the CPU configs' path)
   cfg = tiny.tiny_config(regen[0], num_steps=STEPS, precompute_kv=True)
-  state, target_params, (packer, *_), (train_step, _), mesh, _ = train._setup(
-      cfg, str(tmp_path))
+  su = train.setup(cfg, str(tmp_path))
+  state, target_params, packer, (train_step, _), mesh = (
+      su.state, su.target_params, su.packers.train, su.steps, su.mesh)
   assert packer.deep_kv[0].shape[0] == len(packer.records)
   assert sorted(os.listdir(tmp_path / "deep_kv"))[:3] == ["eval.json", "eval_k.npy",
                                                           "eval_v.npy"]
@@ -902,7 +905,7 @@ def test_precomputed_kv_in_length_buckets_equals_one_pass(regen, target):
   rep = jax.sharding.NamedSharding(sharding.make_mesh(data=-1, model=1),
                                    jax.sharding.PartitionSpec())
   tc = types.SimpleNamespace(batch_size=3, attn_impl="xla")
-  k, v = train.precompute_deep_kv(packer, target.params, target.config, dcfg, tc, rep)
+  k, v = kv_cache.precompute_deep_kv(packer, target.params, target.config, dcfg, tc, rep)
   toks = np.stack([packer.tokens(r)[0] for r in recs])
   k1, v1 = loss_lib.deep_kv(target.params, target.config, toks, dcfg.num_layers)
   for i, r in enumerate(recs):
@@ -957,8 +960,10 @@ def test_eval_also_scores_the_held_out_questions_in_the_variants_formats(target,
   data.build_dataset(regen_dir)
   cfg = tiny.tiny_config(regen_dir, num_steps=2, eval_every=2)
   cfg.data.variant_weights.bench = 3
-  _, _, (packer, held, variants, blind), _, _, info = train._setup(cfg)
+  su = train.setup(cfg)
+  packer, held, variants, blind = su.packers
   assert blind is None                   # no bonus_dropout: nothing is scored blind
+  info = su.counts
   held_q = {r.uid for r in held.records}
   assert len(held_q) == cfg.train.num_eval == info["eval_variant_records"]
   assert {r.uid for r in variants.records} == {q + "#bench" for q in held_q}
@@ -992,10 +997,8 @@ def test_a_warm_started_run_is_scored_before_its_first_step(regen, target, tmp_p
 
 
 def test_constant_schedule_holds_the_rate_whatever_num_steps():
-  import ml_collections
-  tc = ml_collections.ConfigDict(dict(lr=1e-3, warmup_steps=10, num_steps=100,
-                                      schedule="constant", clip_norm=1.0, b1=0.9,
-                                      b2=0.95, weight_decay=0.0))
+  tc = base_config("x").train
+  tc.update(lr=1e-3, warmup_steps=10, num_steps=100, schedule="constant")
   _, constant = train.make_optimizer(tc)
   tc.schedule = "cosine"
   _, cosine = train.make_optimizer(tc)
@@ -1007,10 +1010,8 @@ def test_constant_schedule_holds_the_rate_whatever_num_steps():
 def test_constant_schedule_cools_down_over_its_last_decay_steps():
   # Warm-up, stable, then linear to 0 at num_steps: the cool-down branch of a
   # constant-rate run resumed with num_steps = its step + decay_steps.
-  import ml_collections
-  tc = ml_collections.ConfigDict(dict(lr=1e-3, warmup_steps=10, num_steps=100,
-                                      decay_steps=40, schedule="constant", clip_norm=1.0,
-                                      b1=0.9, b2=0.95, weight_decay=0.0))
+  tc = base_config("x").train
+  tc.update(lr=1e-3, warmup_steps=10, num_steps=100, decay_steps=40, schedule="constant")
   _, wsd = train.make_optimizer(tc)
   assert float(wsd(5)) == pytest.approx(5e-4)
   assert float(wsd(10)) == float(wsd(60)) == pytest.approx(1e-3)
@@ -1124,7 +1125,9 @@ def test_per_slot_masks_equal_to_one_vector_change_nothing(target):
 
 
 def test_packed_dataset_round_trips_and_continues(regen, tmp_path):
-  regen_dir, recs = regen
+  import shutil
+  regen_dir, recs = str(tmp_path / "src"), regen[1]
+  shutil.copytree(regen[0], regen_dir)  # the shared fixture keeps its meta.json
   with open(os.path.join(regen_dir, "meta.json"), "w") as f:
     json.dump({"target_fingerprint": "fp-x", "max_new_tokens": 12}, f)
   info = data.pack_regen(regen_dir, str(tmp_path / "p.npz"))
@@ -1280,7 +1283,8 @@ def test_a_run_with_bonus_dropout_is_scored_blind_and_records_it(regen, tmp_path
   saved = drafter_ckpt.load_drafter(str(tmp_path / "final_drafter"), tiny.tiny_target())
   assert saved.config.bonus_dropout == 0.5 and saved.config.drafts_blind
   cfg.drafter.bonus_input = False
-  with pytest.raises(Exception, match="bonus_dropout=0.5 must be in"):
+  with pytest.raises(FlexDraftError, match="drafter.bonus_dropout must be in \\[0, 1\\], "
+                     "and 0 without drafter.bonus_input, got 0.5"):
     train.train(cfg, str(tmp_path / "b"))
 
 

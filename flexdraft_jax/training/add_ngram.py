@@ -117,7 +117,7 @@ def main(argv):
                                ngram_contexts=len(tables["ctx_key"]),
                                ngram_trigrams=len(tables["tri_key"]))
     params["ngram"] = tables
-    source = config.data.get("packed") or config.data.regen_dir
+    source = config.data.packed or config.data.regen_dir
     record.update(answers=len(train), data=_portable(source),
                   bigrams=dcfg.ngram_bigrams, trigrams=dcfg.ngram_trigrams)
     print(f"add_ngram: {len(train)} answers: {dcfg.ngram_bigrams} bigrams, "

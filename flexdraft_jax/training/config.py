@@ -156,10 +156,10 @@ def check_data_config(dc) -> None:
     _need(isinstance(count, int) and count >= -1, f"data.mix.{source}",
           "an integer >= -1 (-1: all)", count)
   from flexdraft_jax.training.data import VARIANTS
-  variant = dc.get("variant", "")
+  variant = dc.variant
   _need(variant == "" or variant in VARIANTS, "data.variant",
         f"'' or one of {', '.join(VARIANTS)}", variant)
-  part = dc.get("part", "")
+  part = dc.part
   _need(part == "" or parse_part(part) is not None, "data.part",
         "'' or 'I/N' with 0 <= I < N", part)
 
@@ -185,6 +185,9 @@ def check_train_config(config) -> None:
                     ("width_multiple", 0)):
     _int(tc, name, low, "train")
   _int(tc, "seq_len", dc.block_size + 2, "train")
+  p = dc.bonus_dropout
+  _need(isinstance(p, numbers.Real) and 0 <= p <= 1 and (p == 0 or dc.bonus_input),
+        "drafter.bonus_dropout", "in [0, 1], and 0 without drafter.bonus_input", p)
   for name in ("lr", "gamma"):
     v = tc[name]
     _need(isinstance(v, numbers.Real) and math.isfinite(v) and v > 0, f"train.{name}",
@@ -193,23 +196,23 @@ def check_train_config(config) -> None:
   _need(tc.loss == "ce" or not tc.precompute_kv, "train.loss",
         "'ce' with train.precompute_kv (the kl loss reads the target's distribution "
         "off the clean pass in the step)", tc.loss)
-  _need(tc.get("schedule", "cosine") in ("cosine", "constant"), "train.schedule",
-        "'cosine' or 'constant'", tc.get("schedule"))
-  decay = tc.get("decay_steps", 0)
+  _need(tc.schedule in ("cosine", "constant"), "train.schedule",
+        "'cosine' or 'constant'", tc.schedule)
+  decay = tc.decay_steps
   _need(isinstance(decay, numbers.Integral) and not isinstance(decay, bool)
         and 0 <= decay <= tc.num_steps - tc.warmup_steps,
         "train.decay_steps",
         f"an integer in [0, num_steps - warmup_steps = {tc.num_steps - tc.warmup_steps}]",
         decay)
-  _need(not decay or tc.get("schedule", "cosine") == "constant", "train.decay_steps",
+  _need(not decay or tc.schedule == "constant", "train.decay_steps",
         "0 unless train.schedule is 'constant' (cosine decays already)", decay)
-  minutes = tc.get("max_minutes", 0.0)
+  minutes = tc.max_minutes
   _need(isinstance(minutes, numbers.Real) and not isinstance(minutes, bool)
         and minutes >= 0, "train.max_minutes", "a number >= 0 (0: no limit)", minutes)
-  ema = tc.get("ema_decay", 0.0)
+  ema = tc.ema_decay
   _need(isinstance(ema, numbers.Real) and 0 <= ema < 1, "train.ema_decay",
         "a number in [0, 1)", ema)
-  kv_dtype = tc.get("deep_kv_dtype", "")
+  kv_dtype = tc.deep_kv_dtype
   _need(kv_dtype in ("", "float32", "float16"), "train.deep_kv_dtype",
         "'', 'float32' or 'float16'", kv_dtype)
 

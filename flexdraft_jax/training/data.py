@@ -137,12 +137,12 @@ def load_prompts(data_cfg) -> list:
   picked by a seeded shuffle, interleaved round-robin; `data_cfg.variant` frames
   them as that variant does (sources it does not frame are left out)."""
   picked = []
-  variant = data_cfg.get("variant", "")
+  variant = data_cfg.variant
   for source, count in sorted(dict(data_cfg.mix).items()):
     if count == 0:
       continue
     rows = read_source(source, data_cfg.paths[source],
-                       dict(data_cfg.get("suffix", {})).get(source, ""), variant)
+                       dict(data_cfg.suffix).get(source, ""), variant)
     order = np.random.default_rng([data_cfg.seed, stable_int(source)]).permutation(len(rows))
     picked.append([rows[i] for i in order[:None if count < 0 else count]])
   out = []
@@ -266,7 +266,7 @@ def pack_regen(regen_dir: str, path: str) -> dict:
 def use_packed(data_cfg) -> None:
   """Unpacks `data_cfg.packed` (if set) into `data_cfg.regen_dir`, adding the
   records it does not hold yet, so training and regeneration start from it."""
-  packed = data_cfg.get("packed", "")
+  packed = data_cfg.packed
   if packed:
     added = unpack_regen(packed, os.path.abspath(data_cfg.regen_dir))
     if added:

@@ -100,7 +100,7 @@ def _regenerate(config, regen_dir: str, limit: int, max_minutes: float, run: dic
   data.use_packed(dc)
 
   done = {r["uid"] for r in data.read_shards(regen_dir)}
-  part = parse_part(dc.part) if dc.get("part", "") else None
+  part = parse_part(dc.part) if dc.part else None
   todo, skipped = [], 0
   for p in prompts:
     if p.uid in done or (part and data.stable_int(p.uid) % part[1] != part[0]):

@@ -49,8 +49,9 @@ def main(argv):
   from flexdraft_jax.training import sharding, train
   config = FLAGS.config
   tc = config.train
-  state, target_params, (packer, *_), (train_step, _), mesh, info = train._setup(config,
-                                                                                None)
+  su = train.setup(config, None)
+  state, target_params, packer, (train_step, _), mesh = (
+      su.state, su.target_params, su.packers.train, su.steps, su.mesh)
   bs = config.drafter.block_size
   rows_per_step = tc.batch_size * tc.anchors_per_seq * bs
   rows = sharding.local_rows(tc.batch_size)
@@ -75,7 +76,7 @@ def main(argv):
     times.append(time.perf_counter() - t0)
   dt = float(sorted(times)[len(times) // 2])
   # Rows that draft (slot 0 only carries attention for the others).
-  parts = flops_per_row(info["target"].config, config.drafter, tc.seq_len)
+  parts = flops_per_row(su.target.config, config.drafter, tc.seq_len)
   drafting_rows = tc.batch_size * tc.anchors_per_seq * (bs - 1)
   total = sum(parts.values())
   out = {"seconds_per_step": round(dt, 3), "timed_steps": len(times),

@@ -129,8 +129,9 @@ def main(argv):
                    glob.glob(os.path.join(root, "**", "*.py"), recursive=True)}
   config = FLAGS.config
   tc = config.train
-  state, target_params, (packer, *_), (train_step, _), mesh, _ = train._setup(config,
-                                                                              None)
+  su = train.setup(config, None)
+  state, target_params, packer, (train_step, _), mesh = (
+      su.state, su.target_params, su.packers.train, su.steps, su.mesh)
   rows = sharding.local_rows(tc.batch_size)
   # One compiled step (op names are per module): the steps of the most common
   # width among the first 64, the first of them run once untimed (the compile).

@@ -1,0 +1,106 @@
+"""The trained state and the jitted training and eval steps (SPEC §4): only
+the draft pytree is differentiated and has optimizer state; the target pytree
+is an input of the step and comes back untouched."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import PartitionSpec as P
+
+from flexdraft_jax.training import loss as loss_lib
+
+DECAY_KEYS = ("q", "k", "v", "o", "w1", "w2")
+
+
+class TrainState(NamedTuple):
+  step: jax.Array
+  params: Any        # the draft pytree (fp32 master copy)
+  opt_state: Any
+  ema: Any = None    # moving average of params (train.ema_decay > 0), else None
+
+
+def scored_params(state: TrainState):
+  """The weights a run scores and exports: the moving average when it keeps one."""
+  return state.params if state.ema is None else state.ema
+
+
+def make_optimizer(tc) -> tuple:
+  """AdamW (decay on matrices only) + warm-up, then cosine or constant (with
+  an optional linear decay over its last `decay_steps`) + global-norm clipping."""
+  if tc.schedule == "constant":
+    schedule = optax.warmup_constant_schedule(0.0, tc.lr, max(tc.warmup_steps, 1))
+    decay = tc.decay_steps
+    if decay:
+      start = tc.num_steps - decay
+      schedule = optax.join_schedules(
+          [schedule, optax.linear_schedule(schedule(start), 0.0, decay)], [start])
+  else:
+    schedule = optax.warmup_cosine_decay_schedule(
+        0.0, tc.lr, max(tc.warmup_steps, 1), max(tc.num_steps, tc.warmup_steps + 1),
+        end_value=tc.lr * 0.05)
+  decay_mask = lambda p: jax.tree_util.tree_map_with_path(
+      lambda path, _: path[-1].key in DECAY_KEYS, p)
+  tx = optax.chain(optax.clip_by_global_norm(tc.clip_norm),
+                   optax.adamw(schedule, b1=tc.b1, b2=tc.b2,
+                               weight_decay=tc.weight_decay, mask=decay_mask))
+  return tx, schedule
+
+
+def make_steps(cfg, dcfg, tx, schedule, tc, shardings: dict, mesh, fixed=None):
+  """Jitted (train_step, eval_step) with explicit shardings; `fixed` holds the
+  draft pytree's untrained leaves (the draft vocabulary), closed over.
+
+  With a pure data-parallel mesh (model axis 1) the per-shard work runs under
+  `shard_map` and one all-reduce sums gradients and statistics: a single
+  collective per step (GSPMD's extra gathers can deadlock emulated CPU
+  devices). With a model axis, GSPMD partitions the whole step.
+  """
+  kw = dict(gamma=tc.gamma, loss_type=tc.loss, attn_impl=tc.attn_impl)
+  fixed = fixed or {}
+
+  def grads_and_sums(params, target_params, batch):
+    f = lambda p: loss_lib.loss_sums(dict(p, **fixed), target_params, cfg, dcfg,
+                                     batch, **kw)
+    (_, sums), grads = jax.value_and_grad(f, has_aux=True)(params)
+    sums["tokens"] = jnp.sum(batch["length_B"]).astype(jnp.float32)
+    return grads, sums
+
+  def eval_sums(params, target_params, batch):
+    return loss_lib.loss_sums(dict(params, **fixed), target_params, cfg, dcfg,
+                              batch, **kw)[1]
+
+  if mesh.shape["model"] == 1:
+    def summed(fn):
+      local = lambda *a: jax.lax.psum(fn(*a), "data")
+      return jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), P("data")),
+                           out_specs=P(), check_vma=False)
+    grads_and_sums, eval_sums = summed(grads_and_sums), summed(eval_sums)
+
+  def train_step(state: TrainState, target_params, batch):
+    grads, sums = grads_and_sums(state.params, target_params, batch)
+    grads = jax.tree.map(lambda g: g / jnp.maximum(sums["weight"], 1e-9), grads)
+    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    ema = state.ema
+    if ema is not None:
+      ema = jax.tree.map(lambda e, p: e + (1.0 - tc.ema_decay) * (p - e), ema, params)
+    m = loss_lib.finalize(sums)
+    m.update(grad_norm=optax.tree.norm(grads), lr=schedule(state.step),
+             tokens=sums["tokens"])
+    return TrainState(state.step + 1, params, opt_state, ema), m
+
+  def eval_step(params, target_params, batch):
+    return eval_sums(params, target_params, batch)
+
+  rep = shardings["replicated"]
+  train = jax.jit(train_step, donate_argnums=(0,),
+                  in_shardings=(shardings["state"], shardings["target"], shardings["batch"]),
+                  out_shardings=(shardings["state"], rep))
+  evaluate = jax.jit(eval_step, in_shardings=(shardings["state"].params,
+                                              shardings["target"], shardings["batch"]),
+                     out_shardings=rep)
+  return train, evaluate
