@@ -53,24 +53,24 @@ def test_setup_for_tests_adds_the_test_extra(tmp_path):
   assert "bash launch/setup.sh --test" in test_sh
 
 
-def test_learning_curve_tables_fits_and_adds_the_variants_column(tmp_path):
+def test_learning_curve_tables_fits_and_adds_the_variants_and_blind_columns(tmp_path):
   import sys
   cols = "step,mask_rows,eval_tau,eval_acc_1,eval_acc_2,eval_acc_3,eval_acc_4"
   rows = [f"{i},{r},{t},0.5,0.4,0.3,0.2" for i, (r, t) in
           enumerate([(1000, 2.0), (10000, 2.5), (100000, 3.0), (1000000, 3.5)])]
   (tmp_path / "a.csv").write_text("\n".join([cols] + rows) + "\n")
   # a later run that also scored the held-out questions in the variants' formats
-  (tmp_path / "b.csv").write_text(cols + ",variant_eval_tau\n"
-                                  "4,10000000,4.0,0.6,0.5,0.4,0.3,3.25\n")
+  (tmp_path / "b.csv").write_text(cols + ",variant_eval_tau,blind_eval_tau\n"
+                                  "4,10000000,4.0,0.6,0.5,0.4,0.3,3.25,2.5\n")
   out = subprocess.run(
       [sys.executable, "-m", "flexdraft_jax", "learning-curve", f"--metrics={tmp_path}/a.csv,"
        f"{tmp_path}/b.csv", f"--out={tmp_path}/lc"], cwd=REPO, capture_output=True,
       text=True, timeout=120)
   assert out.returncode == 0, out.stderr
   md = (tmp_path / "lc.md").read_text().splitlines()
-  assert md[0].endswith("| τ, prompt variants' formats |")
-  assert md[2] == "| 1,000 | 2.000 | 0.500 | 0.400 | 0.300 | 0.200 | |"
-  assert md[6] == "| 10,000,000 | 4.000 | 0.600 | 0.500 | 0.400 | 0.300 | 3.250 |"
+  assert md[0].endswith("| τ, prompt variants' formats | τ drafted blind (parallel mode) |")
+  assert md[2] == "| 1,000 | 2.000 | 0.500 | 0.400 | 0.300 | 0.200 | | |"
+  assert md[6] == "| 10,000,000 | 4.000 | 0.600 | 0.500 | 0.400 | 0.300 | 3.250 | 2.500 |"
   # τ = 0.5·log10(rows) + 0.5 on the later half: τ = 5 at 10^9 rows
   assert md[-1].startswith("Fit over the later half: τ ≈ 0.500 + 0.500·log10(rows)")
   assert "τ = 5: 1e+09 rows" in md[-1]

@@ -35,10 +35,10 @@ def eval_points(paths) -> list:
   return [(k, *v) for k, v in sorted(pts.items())]
 
 
-def variant_points(paths) -> dict:
-  """{mask_rows: variant_eval_tau} over the eval rows that have it."""
-  return {int(float(r["mask_rows"])): float(r["variant_eval_tau"])
-          for r in _rows(paths, "variant_eval_tau")}
+def variant_points(paths, column: str = "variant_eval_tau") -> dict:
+  """{mask_rows: column} over the eval rows that have it (variant_eval_tau,
+  or blind_eval_tau: the held-out answers drafted as parallel mode drafts)."""
+  return {int(float(r["mask_rows"])): float(r[column]) for r in _rows(paths, column)}
 
 
 def fit(points) -> tuple:
@@ -71,6 +71,10 @@ def write_curve(metrics: list, out: str, *, title: str = "SmolLM2-135M drafter",
   if variants:
     ax1.plot(list(variants), list(variants.values()), "^-",
              label="the same, the prompt variants' formats")
+  blind = variant_points(metrics, "blind_eval_tau")
+  if blind:
+    ax1.plot(list(blind), list(blind.values()), "v-",
+             label="the same, drafted blind (parallel mode)")
   for spec in compare:
     label, _, paths = spec.partition("=")
     other = eval_points(paths.split("+"))
@@ -104,10 +108,13 @@ def write_curve(metrics: list, out: str, *, title: str = "SmolLM2-135M drafter",
            "|---|---|---|---|---|---|"]
   lines += [f"| {p[0]:,} | {p[1]:.3f} | " + " | ".join(f"{a:.3f}" for a in p[2:]) + " |"
             for p in points]
-  if variants:  # one more column, blank where a row did not score the variants
-    cells = [" τ, prompt variants' formats |", "---|"] + [
-        f" {variants[p[0]]:.3f} |" if p[0] in variants else " |" for p in points]
-    lines = [a + b for a, b in zip(lines, cells)]
+  # one more column each, blank where a row did not score them
+  for extra, head in ((variants, "τ, prompt variants' formats"),
+                      (blind, "τ drafted blind (parallel mode)")):
+    if extra:
+      cells = [f" {head} |", "---|"] + [
+          f" {extra[p[0]]:.3f} |" if p[0] in extra else " |" for p in points]
+      lines = [a + b for a, b in zip(lines, cells)]
   if line and line[1] > 0:
     a, b = line
     preds = ", ".join(f"τ = {t}: {10 ** ((t - a) / b):.2g} rows" for t in (3, 4, 5))
