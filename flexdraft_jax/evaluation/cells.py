@@ -182,8 +182,10 @@ def run_cell(ctx: Context, cell: Cell, reference: Optional[dict]) -> dict:
   rows = cell_prompts(ctx, cell)
   t_start = time.perf_counter()
   if ec.warmup:  # compiles the steps: the token budget is traced, shapes depend on
-    # the batch and the cache length only, so a short warm-up compiles them all
-    _generate(ctx, cell, _warmup_rows(rows, cell.batch_size), WARMUP_TOKENS)
+    # the batch and the cache length only, so a short warm-up compiles them all (and
+    # never asks for more tokens than the cell, whose cache length must fit them)
+    _generate(ctx, cell, _warmup_rows(rows, cell.batch_size),
+              min(WARMUP_TOKENS, ec.max_new_tokens))
   runs = 0
   while True:
     n0 = len(_COMPILES)
