@@ -404,6 +404,7 @@ def test_short_verify_length_keeps_accepting_the_same_drafts():
 
 def _driver(bs=8, verify_len=None):
   drafter = types.SimpleNamespace(config=types.SimpleNamespace(block_size=bs, bonus_input=False,
+                                                               drafts_blind=True,
                                                                rescores=False))
   opts = chunk.SpecOptions(verify_len=verify_len)
   _, buckets = chunk.verify_buckets(bs, opts)
@@ -628,8 +629,8 @@ def test_flex_times_the_steps_again_where_decoding_ran_far_off_them():
     return (busy if len(timings) <= 3 * flex.TIMING_ROUNDS else real)[(mode, k)]
 
   drafter = types.SimpleNamespace(
-      config=types.SimpleNamespace(block_size=8, bonus_input=True, num_layers=2,
-                                   draft_vocab=0, rescores=False), params={})
+      config=types.SimpleNamespace(block_size=8, bonus_input=True, drafts_blind=False,
+                                   num_layers=2, draft_vocab=0, rescores=False), params={})
   opts = chunk.SpecOptions(cost_cache=None)
   _, buckets = chunk.verify_buckets(8, opts)
   d = flex.FlexPolicy(types.SimpleNamespace(fingerprint="retime-test"), drafter, opts,
