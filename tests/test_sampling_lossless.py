@@ -56,6 +56,13 @@ def _chi2_pvalue(tokens, exact):
   return stats.chisquare(obs, exp * obs.sum() / exp.sum()).pvalue
 
 
+def _kept(r):
+  """Tokens the acceptance rule kept per row verification, drafts past the third
+  token included: with 3 new tokens, emitted τ barely leaves 1 even when the rule
+  accepts, so this is what shows the rule was exercised."""
+  return r.stats["committed_tokens"] / r.stats["verified_row_steps"]
+
+
 def _sample(target, drafter, mode, **kw):
   r = fd.generate(target, [PROMPT] * N, max_new_tokens=3, temperature=TEMP,
                   drafter=drafter, mode=mode, stop=[], seed=11, **kw)
@@ -74,7 +81,7 @@ def test_each_mode_samples_the_target_distribution(setup, mode, kw):
   target, drafter, exact = setup
   r = _sample(target, drafter, mode, **kw)
   if mode != "ar":  # drafts were accepted, so the acceptance rule was exercised
-    assert r.stats["tau"] > 1.08, r.stats["tau"]
+    assert _kept(r) > 1.08, _kept(r)
   assert _chi2_pvalue(r.token_ids, exact) > 1e-3
 
 
@@ -87,7 +94,7 @@ def test_a_draft_vocabulary_samples_the_target_distribution(setup, mode, kw):
   target, drafter, exact = setup
   small = vocab_drafter(drafter, [5, 2, 7, 0, 3, 6])
   r = _sample(target, small, mode, **kw)
-  assert r.stats["tau"] > 1.05, r.stats["tau"]
+  assert _kept(r) > 1.05, _kept(r)
   assert _chi2_pvalue(r.token_ids, exact) > 1e-3
 
 
@@ -95,7 +102,7 @@ def test_a_short_verify_length_samples_the_target_distribution():
   target = tiny_target(vocab=V, eos=0, scale=0.5, seed=4)
   drafter = bigram_drafter(target, block_size=4)
   r = _sample(target, drafter, "sequential", verify_len=2)
-  assert r.stats["tau"] > 1.08, r.stats["tau"]
+  assert _kept(r) > 1.08, _kept(r)
   assert max(k for k, _ in r.stats["group_counts"]) == 2
   assert _chi2_pvalue(r.token_ids, _exact_distribution(target)) > 1e-3
 
@@ -147,7 +154,7 @@ def test_a_drafter_reading_the_bonus_samples_the_target_distribution(setup, kw):
   reading = drafter._replace(config=dataclasses.replace(drafter.config, bonus_input=True),
                              params=dict(drafter.params, bonus_in=w))
   r = _sample(target, reading, "sequential", **kw)
-  assert r.stats["tau"] > 1.08, r.stats["tau"]
+  assert _kept(r) > 1.08, _kept(r)
   assert _chi2_pvalue(r.token_ids, exact) > 1e-3
 
 
@@ -158,5 +165,5 @@ def test_a_drafter_with_the_ngram_prior_samples_the_target_distribution(setup, k
   from tests.decoding_util import ngram_drafter
   target, _, exact = setup
   r = _sample(target, ngram_drafter(target, block_size=4, weight=1.0), "sequential", **kw)
-  assert r.stats["tau"] > 1.08, r.stats["tau"]
+  assert _kept(r) > 1.08, _kept(r)
   assert _chi2_pvalue(r.token_ids, exact) > 1e-3
