@@ -35,11 +35,8 @@ def load_drafter(path: str, target):
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
 def _logits(params, ids_BxT, *, cfg):
-  B, T = ids_BxT.shape
-  cache = transformer.KVCache.zeros(cfg, B, T, params["embed"].dtype)
-  pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-  h, _, _ = transformer.forward(params, cfg, cache, ids_BxT, pos)
-  return transformer.logits(params, cfg, h)
+  return transformer.Transformer.of(cfg, params).apply(transformer.variables(params),
+                                                       ids_BxT)
 
 
 def target_logits(target, token_ids) -> jax.Array:

@@ -918,10 +918,11 @@ def test_a_drafter_trained_blind_too_runs_every_mode(target, cost_cache, monkeyp
   assert "parallel" in timed and "sequential" in timed
   # the parallel step's drafting groups read no bonus: the same as bonus_in = 0
   masks = state_lib.mask_block(jnp.array([6]), jnp.array([5]), 2, 4)
-  blind = transformer.mask_input(target.params, drafter.params, masks, jnp.float32)
+  cfg = target.config
+  blind = transformer.mask_input(target.params, cfg, drafter.params, masks, jnp.float32)
   plain = transformer.mask_input(
-      target.params, dict(drafter.params, bonus_in=0 * drafter.params["bonus_in"]), masks,
-      jnp.float32)
+      target.params, cfg, dict(drafter.params, bonus_in=0 * drafter.params["bonus_in"]),
+      masks, jnp.float32)
   np.testing.assert_array_equal(blind, plain)
 
 

@@ -11,7 +11,8 @@ import pytest
 from tests import tiny  # noqa: E402
 
 from flexdraft_jax.drafter import checkpoint as ckpt  # noqa: E402
-from flexdraft_jax.drafter.model import (Drafter, DrafterConfig, draft_logits,  # noqa: E402
+from flexdraft_jax.drafter.model import (Drafter, DrafterConfig, DraftModel,  # noqa: E402
+                                         draft_logits,
                                          init_draft_params, num_params)
 from flexdraft_jax.model.config import FlexDraftError, ModelConfig  # noqa: E402
 
@@ -130,14 +131,10 @@ def test_save_refuses_a_drafter_of_another_target(tmp_path):
 
 @pytest.mark.parametrize("L", [4, 5, 6])
 def test_smollm2_drafter_fits_50mb_in_bf16(L):
-  cfg = SMOLLM2_135M
-  shapes = {"embed": (cfg.vocab_size, cfg.hidden_size), "final_norm": (cfg.hidden_size,),
-            "layers": {"q": (30, 576, 576), "k": (30, 576, 192), "v": (30, 576, 192),
-                       "o": (30, 576, 576)}}
-  target = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, jnp.float32), shapes,
-                        is_leaf=lambda x: isinstance(x, tuple))
-  p = jax.eval_shape(lambda tp: init_draft_params(
-      tp, cfg, DrafterConfig(num_layers=L), jax.random.PRNGKey(0)), target)
+  # The module's init builds the drafter for the target's shape, weights unseen.
+  model = DraftModel.of(SMOLLM2_135M, DrafterConfig(num_layers=L))
+  p = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), method="weights"))["draft"]
+  assert p["layers"]["k"].shape == (L, 576, 192)
   assert num_params(p) * 2 + 4096 <= 50e6
 
 

@@ -1224,15 +1224,15 @@ def test_bonus_input_reaches_only_slot_0_and_warm_starts(target):
   cfg, drafter = target.config, _bonus_drafter(target)
   masks = loss_lib.mask_rows(jnp.array([[3, 8]], jnp.int32), 4)
   bonus = jnp.array([[5] * 4 + [6] * 4], jnp.int32)
-  hm = transformer.mask_input(target.params, drafter.params, masks._replace(bonus_BxM=bonus),
-                              jnp.float32)
+  hm = transformer.mask_input(target.params, cfg, drafter.params,
+                              masks._replace(bonus_BxM=bonus), jnp.float32)
   plain = np.asarray(drafter.params["mask"])
   rows_with_bonus = [m for m in range(8) if not np.allclose(hm[0, m], plain)]
   assert rows_with_bonus == [0, 4]                       # slot 0 of each block
   # no bonus known (None, or -1 for a block): that slot 0 is the mask alone
-  blind = transformer.mask_input(target.params, drafter.params, masks, jnp.float32)
+  blind = transformer.mask_input(target.params, cfg, drafter.params, masks, jnp.float32)
   np.testing.assert_array_equal(blind[0], np.broadcast_to(plain, blind[0].shape))
-  half = transformer.mask_input(target.params, drafter.params,
+  half = transformer.mask_input(target.params, cfg, drafter.params,
                                 masks._replace(bonus_BxM=bonus.at[:, 4:].set(-1)),
                                 jnp.float32)
   np.testing.assert_array_equal(half[0, :4], hm[0, :4])

@@ -16,9 +16,9 @@ def ar_step(target_params, cfg, state: DecodeState, *, sp: SamplingParams,
 
   The drafts (if any) go stale: a speculative step after this must refresh them.
   """
-  h, _, cache = transformer.forward(
-      target_params, cfg, state.cache, state.bonus_B[:, None],
-      state.length_B[:, None], attn_impl=attn_impl, kv_block=KV_BLOCK)
+  h, _, cache = transformer.Transformer.of(cfg, target_params).apply(
+      transformer.variables(target_params), state.cache, state.bonus_B[:, None],
+      state.length_B[:, None], attn_impl=attn_impl, kv_block=KV_BLOCK, method="forward")
   y = target_tokens(target_params, cfg, h, jax.random.fold_in(state.key, state.steps),
                     sp)[:, 0]
   live = ~state.done_B

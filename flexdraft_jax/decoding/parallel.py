@@ -26,9 +26,10 @@ def parallel_step(target_params, cfg, drafter, state: DecodeState, *,
                           axis=1)
   pos = c[:, None] + jnp.arange(num_groups, dtype=jnp.int32)[None]
   masks = mask_block(c + 1, c, num_groups, bs)
-  h, hm, cache = transformer.forward(
-      target_params, cfg, state.cache, block, pos, draft=drafter.params,
-      masks=masks, num_draft_layers=L, attn_impl=attn_impl, kv_block=KV_BLOCK)
+  h, hm, cache = transformer.Transformer.of(cfg, target_params).apply(
+      transformer.variables(target_params, drafter.params), state.cache, block, pos,
+      masks=masks, num_draft_layers=L, attn_impl=attn_impl, kv_block=KV_BLOCK,
+      method="forward")
   vlen = jnp.minimum(verify.selective_vlen(state.conf_BxD, theta, strategy),
                      num_groups - 1)
   y, a = verify.verify_block(target_params, cfg, h, state, vlen, sp)

@@ -72,6 +72,7 @@ def sample(logits_xV, key, sp: SamplingParams):
 def target_tokens(target_params, cfg, h_BxTxH, key, sp: SamplingParams):
   """The target's token `[B, T]` after each hidden state: the argmax at T=0
   (`transformer.greedy_tokens`, no `[B, T, V]` logits), else a sample."""
+  model, variables = transformer.Transformer.of(cfg, target_params), {"params": target_params}
   if sp.greedy:
-    return transformer.greedy_tokens(target_params, cfg, h_BxTxH)
-  return sample(transformer.logits(target_params, cfg, h_BxTxH), key, sp)
+    return model.apply(variables, h_BxTxH, method="greedy_tokens")
+  return sample(model.apply(variables, h_BxTxH, method="logits"), key, sp)

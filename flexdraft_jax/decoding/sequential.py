@@ -21,8 +21,9 @@ def sequential_step(target_params, cfg, drafter, state: DecodeState, *,
   k = verify_len or drafter.config.block_size
   block = jnp.concatenate([state.bonus_B[:, None], state.drafts_BxD[:, :k - 1]], axis=1)
   pos = state.length_B[:, None] + jnp.arange(k, dtype=jnp.int32)[None]
-  h, _, cache = transformer.forward(target_params, cfg, state.cache, block, pos,
-                                    attn_impl=attn_impl, kv_block=KV_BLOCK)
+  h, _, cache = transformer.Transformer.of(cfg, target_params).apply(
+      transformer.variables(target_params), state.cache, block, pos,
+      attn_impl=attn_impl, kv_block=KV_BLOCK, method="forward")
   vlen = jnp.minimum(verify.selective_vlen(state.conf_BxD, theta, strategy), k - 1)
   y, a = verify.verify_block(target_params, cfg, h, state, vlen, sp)
   new = verify.commit(state, y, a, cache, max_new=max_new, stop_ids=stop_ids)

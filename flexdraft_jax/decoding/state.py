@@ -76,7 +76,8 @@ def draft_tokens(target_params, cfg, drafter, hm_BxbsxH, bonus_B, sp: SamplingPa
   no text, the data's n-grams alone)."""
   h = hm_BxbsxH[:, 1:]
   bonus = jnp.broadcast_to(bonus_B[:, None], h.shape[:2])
-  lg = drafter_model.draft_logits(target_params, cfg, drafter, h, bonus)
+  lg = drafter_model.DraftModel.of(cfg, drafter.config, target_params).apply(
+      transformer.variables(target_params, drafter.params), h, bonus, method="logits")
   to_ids = lambda idx: drafter_model.to_token_ids(drafter.params, idx.astype(jnp.int32))
   if drafter.config.rescores:  # each slot re-scored given the drafts before it
     if hist_BxL is None:  # no row text known: the data's n-grams alone
@@ -141,10 +142,10 @@ def prefill(target_params, cfg, cache, prompt_BxP, plen_B, valid_B, key, *,
   if joint:
     L = drafter.config.num_layers
     masks = mask_block(plen_B, plen_B - 1, 1, bs)
-  h, hm, cache = transformer.forward(
-      target_params, cfg, cache, prompt_BxP, pos,
-      draft=drafter.params if joint else None, masks=masks,
-      num_draft_layers=L, attn_impl=attn_impl, kv_block=KV_BLOCK)
+  h, hm, cache = transformer.Transformer.of(cfg, target_params).apply(
+      transformer.variables(target_params, drafter.params if joint else None), cache,
+      prompt_BxP, pos, masks=masks, num_draft_layers=L, attn_impl=attn_impl,
+      kv_block=KV_BLOCK, method="forward")
   h_last = jnp.take_along_axis(h, (plen_B - 1)[:, None, None], axis=1)
   key, sub, sub_draft = jax.random.split(key, 3)
   t0 = target_tokens(target_params, cfg, h_last, sub, sp)[:, 0]
@@ -180,8 +181,8 @@ def deep_pass(target_params, cfg, drafter, cache, length_B, bonus_B, attn_impl):
   layers only: its hidden states `[B, bs, H]`."""
   masks = mask_block(length_B, length_B - 1, 1, drafter.config.block_size,
                      bonus_B=bonus_B)
-  _, hm, _ = transformer.forward(target_params, cfg, cache, None, None,
-                                 draft=drafter.params, masks=masks,
-                                 num_draft_layers=drafter.config.num_layers,
-                                 attn_impl=attn_impl, kv_block=KV_BLOCK)
+  _, hm, _ = transformer.Transformer.of(cfg, target_params).apply(
+      transformer.variables(target_params, drafter.params), cache, None, None,
+      masks=masks, num_draft_layers=drafter.config.num_layers, attn_impl=attn_impl,
+      kv_block=KV_BLOCK, method="forward")
   return hm

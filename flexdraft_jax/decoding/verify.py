@@ -33,8 +33,9 @@ def verify_block(target_params, cfg, h_BxkxH, state: DecodeState, vlen_B,
   key = jax.random.fold_in(state.key, state.steps)
   D = h_BxkxH.shape[1] - 1
   if sp.sampled_drafts:
-    return leviathan(transformer.logits(target_params, cfg, h_BxkxH), state, vlen_B, sp,
-                     key)
+    lg = transformer.Transformer.of(cfg, target_params).apply(
+        transformer.variables(target_params), h_BxkxH, method="logits")
+    return leviathan(lg, state, vlen_B, sp, key)
   y = target_tokens(target_params, cfg, h_BxkxH, key, sp)
   ok = (y[:, :D] == state.drafts_BxD[:, :D]) & (jnp.arange(D)[None] < vlen_B[:, None])
   a = jnp.sum(jnp.cumprod(ok, axis=1), axis=1).astype(jnp.int32)

@@ -1,10 +1,12 @@
-"""The draft pytree (SPEC §1): mask vector, deep-layer draft attention, calibration MLP."""
+"""The drafter (SPEC §1) as a Flax linen module over its draft pytree: mask
+vector, deep-layer draft attention, calibration MLP."""
 
 from __future__ import annotations
 
 import dataclasses
 from typing import Any, NamedTuple
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -95,45 +97,137 @@ class Drafter(NamedTuple):
   target_fingerprint: str = ""
 
 
+class DraftModel(nn.Module):
+  """The drafter as a linen module: it declares the draft pytree as the
+  "draft" collection and reads the target's weights through `target`, whose
+  scope it shares (collection "params").
+
+  `init` creates the draft pytree: attention copies of the target's last L
+  layers, a random mask vector (0.02·N(0,1)) and a calibration MLP whose last
+  layer is zero (identity). Given a target (`apply` with "params" and a
+  mutable "draft", see `init_draft_params`) it copies that one, else it
+  creates a random target of `target`'s shape too. The data leaves (`vocab`,
+  `ngram`) start at zero and are filled by their builders.
+  """
+  target: transformer.Transformer
+  dcfg: DrafterConfig
+  dtype: Any = None  # of the weights `init` creates; None: the target's
+
+  @classmethod
+  def of(cls, cfg: ModelConfig, dcfg: DrafterConfig, target_params=None, dtype=None):
+    """The drafter of `dcfg` over a target of `cfg` (laid out as `target_params`)."""
+    target = (transformer.Transformer(cfg) if target_params is None
+              else transformer.Transformer.of(cfg, target_params))
+    return cls(target, dcfg, dtype)
+
+  def setup(self):
+    nn.share_scope(self, self.target)
+    cfg, dcfg = self.target.cfg, self.dcfg
+    H = cfg.hidden_size
+    self._declare("mask", self._init_mask)
+    self._declare("layers", self._init_layers)
+    self._declare("calib", self._init_calib)
+    if dcfg.has_ngram_tables:  # filled by `ngram.build_tables` (not trained)
+      K = dcfg.draft_vocab or cfg.vocab_size
+      self._declare("ngram", lambda: {
+          k: jnp.zeros(shape, jnp.int32 if integer else self._dtype())
+          for k, (shape, integer) in ngram.table_shapes(
+              cfg.vocab_size, K, dcfg.ngram_bigrams, dcfg.ngram_contexts,
+              dcfg.ngram_trigrams).items()})
+    if dcfg.bonus_input:  # zero: starts as the plain mask
+      self._declare("bonus_in", lambda: jnp.zeros((H, H), self._dtype()))
+    if dcfg.draft_vocab:  # the ids, set by `init_draft_params` (not trained)
+      self._declare("vocab", lambda: jnp.zeros((dcfg.draft_vocab,), jnp.int32))
+
+  def _declare(self, name: str, init):
+    """A draft variable; one a tree lacks (training drops the data leaves) is
+    declared only where the collection is being created."""
+    if self.is_mutable_collection("draft") or self.has_variable("draft", name):
+      self.variable("draft", name, init)
+
+  def _dtype(self):
+    return self.dtype or self.target.embedding.dtype
+
+  def _init_mask(self):
+    H = self.target.cfg.hidden_size
+    shape = (self.dcfg.block_size, H) if self.dcfg.per_slot_mask else (H,)
+    return (0.02 * jax.random.normal(self.make_rng("params"), shape)).astype(self._dtype())
+
+  def _init_layers(self):
+    """Copies of the target's attention weights in its last L layers."""
+    tp, n = self.target.weights(), self.target.cfg.num_layers
+    s = n - self.dcfg.num_layers
+    return {k: jnp.stack([transformer.layer_leaf(tp, k, i) for i in range(s, n)]
+                         ).astype(self._dtype())
+            for k in transformer.layer_keys(tp) if k in transformer.ATTN_KEYS}
+
+  def _init_calib(self):
+    cfg, dcfg, dtype = self.target.cfg, self.dcfg, self._dtype()
+    H, r = cfg.hidden_size, dcfg.calib_rank
+    out = H if dcfg.calib_tied else (dcfg.draft_vocab or cfg.vocab_size)
+    w1 = jax.random.normal(self.make_rng("params"), (2 * H, r)) / np.sqrt(2 * H)
+    return {"w1": w1.astype(dtype), "b1": jnp.zeros((r,), dtype),
+            "w2": jnp.zeros((r, out), dtype), "b2": jnp.zeros((out,), dtype)}
+
+  def weights(self) -> dict:
+    """The draft pytree (the "draft" collection)."""
+    return self.variables["draft"]
+
+  def head(self):
+    """The draft LM head `[V', H]`: the LM head's rows of the draft vocabulary,
+    or all of them. Decoding builds it once per call (`draft["head"]`);
+    training gathers it inside the step."""
+    draft, target = self.weights(), self.target
+    if "head" in draft:
+      return draft["head"]
+    head = target.embedding if target.cfg.tie_embeddings else target.lm_head.T
+    if "vocab" in draft:
+      head = jnp.take(head, draft["vocab"], axis=0)
+    return head
+
+  def calibration_bias(self, x_BxMxH, bonus_BxM, head_VxH=None):
+    """The bonus-guided bias `[B, M, V']` added to draft logits (fp32)."""
+    draft = self.weights()
+    calib = draft["calib"]
+    e = self.target.embed(bonus_BxM).astype(x_BxMxH.dtype)
+    # `calib` may hold w1/w2 transposed as w1_t/w2_t (decoding; see transformer.linear)
+    z = jax.nn.silu(transformer.linear(calib, "w1", jnp.concatenate([e, x_BxMxH], -1))
+                    + calib["b1"])
+    out = transformer.linear(calib, "w2", z) + calib["b2"]
+    if not self.dcfg.calib_tied:
+      return out.astype(jnp.float32)
+    return _head_product(draft, head_VxH, out)
+
+  def logits(self, hm_BxMxH, bonus_BxM, *, calibrate: bool = True, context=None):
+    """Calibrated draft logits `[B, M, V']` from mask hidden states (see
+    `draft_logits`)."""
+    cfg, draft = self.target.cfg, self.weights()
+    head = self.head()
+    x = transformer.rms_norm(hm_BxMxH, self.target.final_norm, cfg.rms_norm_eps)
+    out = _head_product(draft, head, x)
+    if calibrate and self.dcfg.calibrate:
+      out = out + self.calibration_bias(x, bonus_BxM, head)
+    if context is not None and self.dcfg.rescores:
+      out = rescored(cfg, Drafter(self.dcfg, draft), out, *context)
+    return out
+
+
 def init_draft_params(target_params, cfg: ModelConfig, dcfg: DrafterConfig,
                       rng: jax.Array, dtype=None, vocab=None):
-  """Draft pytree: attention copies of the last L target layers, a random mask
-  vector (0.02·N(0,1)) and a calibration MLP whose last layer is zero (identity).
+  """A fresh draft pytree for `target_params`: `DraftModel`'s init over that
+  target (`dtype` defaults to the target's).
 
   With `dcfg.draft_vocab` = K, `vocab` (K distinct ids) becomes the int32 leaf
   `params["vocab"]` — not trainable (see `trainable`)."""
   dcfg.validate(cfg)
-  dtype = dtype or target_params["embed"].dtype
-  s = cfg.num_layers - dcfg.num_layers
-  n = cfg.num_layers
-  layers = {k: jnp.stack([transformer.layer_leaf(target_params, k, i) for i in range(s, n)]
-                         ).astype(dtype)
-            for k in transformer.layer_keys(target_params) if k in transformer.ATTN_KEYS}
-  H, r = cfg.hidden_size, dcfg.calib_rank
-  out = H if dcfg.calib_tied else (dcfg.draft_vocab or cfg.vocab_size)
-  k_mask, k_w1 = jax.random.split(rng)
-  mask_shape = (dcfg.block_size, H) if dcfg.per_slot_mask else (H,)
-  params = {
-      "mask": (0.02 * jax.random.normal(k_mask, mask_shape)).astype(dtype),
-      "layers": layers,
-      "calib": {
-          "w1": (jax.random.normal(k_w1, (2 * H, r)) / np.sqrt(2 * H)).astype(dtype),
-          "b1": jnp.zeros((r,), dtype),
-          "w2": jnp.zeros((r, out), dtype),
-          "b2": jnp.zeros((out,), dtype),
-      },
-  }
-  if dcfg.has_ngram_tables:  # filled by `ngram.build_tables` (not trained)
-    K = dcfg.draft_vocab or cfg.vocab_size
-    params["ngram"] = {
-        k: jnp.zeros(shape, jnp.int32 if integer else dtype)
-        for k, (shape, integer) in ngram.table_shapes(
-            cfg.vocab_size, K, dcfg.ngram_bigrams, dcfg.ngram_contexts,
-            dcfg.ngram_trigrams).items()}
-  if dcfg.bonus_input:  # zero: starts as the plain mask
-    params["bonus_in"] = jnp.zeros((H, H), dtype)
   if dcfg.draft_vocab:
-    params["vocab"] = check_vocab(vocab, dcfg.draft_vocab, cfg.vocab_size)
+    vocab = check_vocab(vocab, dcfg.draft_vocab, cfg.vocab_size)
+  model = DraftModel.of(cfg, dcfg, target_params, dtype)
+  params, _ = model.apply(transformer.variables(target_params), rngs={"params": rng},
+                          method="weights", mutable="draft")
+  params = dict(params)
+  if dcfg.draft_vocab:
+    params["vocab"] = vocab
   return params
 
 
@@ -163,15 +257,10 @@ def trainable(params) -> dict:
 
 
 def draft_head(target_params, cfg: ModelConfig, draft_params):
-  """The draft LM head `[V', H]`: the LM head's rows of the draft vocabulary, or
-  all of them. Decoding builds it once per call (`params["head"]`); training
-  gathers it inside the step."""
-  if "head" in draft_params:
-    return draft_params["head"]
-  head = target_params["embed"] if cfg.tie_embeddings else target_params["lm_head"].T
-  if "vocab" in draft_params:
-    head = jnp.take(head, draft_params["vocab"], axis=0)
-  return head
+  """`DraftModel.head` over plain pytrees (see there)."""
+  dcfg = DrafterConfig(num_layers=1)  # declares no data leaves: only `head` is read
+  return DraftModel.of(cfg, dcfg, target_params).apply(
+      transformer.variables(target_params, draft_params), method="head")
 
 
 def _head_product(draft_params, head_VxH, x_BxMxH):
@@ -183,19 +272,6 @@ def _head_product(draft_params, head_VxH, x_BxMxH):
   return jnp.einsum("BMH,VH->BMV", x_BxMxH, head_VxH, preferred_element_type=jnp.float32)
 
 
-def calibration_bias(target_params, cfg: ModelConfig, dcfg: DrafterConfig,
-                     calib, x_BxMxH, bonus_BxM, head_VxH=None, draft_params=None):
-  """The bonus-guided bias `[B, M, V']` added to draft logits (fp32)."""
-  e = transformer.embed(target_params, bonus_BxM).astype(x_BxMxH.dtype)
-  # `calib` may hold w1/w2 transposed as w1_t/w2_t (decoding; see transformer.linear)
-  z = jax.nn.silu(transformer.linear(calib, "w1", jnp.concatenate([e, x_BxMxH], -1))
-                  + calib["b1"])
-  out = transformer.linear(calib, "w2", z) + calib["b2"]
-  if not dcfg.calib_tied:
-    return out.astype(jnp.float32)
-  return _head_product(draft_params or {}, head_VxH, out)
-
-
 def draft_logits(target_params, cfg: ModelConfig, drafter: Drafter,
                  hm_BxMxH, bonus_BxM, *, calibrate: bool = True, context=None):
   """Calibrated draft logits `[B, M, V']` from mask hidden states (pre final
@@ -203,17 +279,11 @@ def draft_logits(target_params, cfg: ModelConfig, drafter: Drafter,
   `context` = (prev2_BxM, prev_BxM, hist_BxT, upto_BxM): the two tokens before
   each row's slot and the text its block drafts after — the n-gram prior's
   inputs (`rescored`; training passes the true tokens, drafting, which knows
-  them only slot by slot, calls `rescored_drafts`)."""
-  head = draft_head(target_params, cfg, drafter.params)
-  x = transformer.rms_norm(hm_BxMxH, target_params["final_norm"], cfg.rms_norm_eps)
-  out = _head_product(drafter.params, head, x)
-  if calibrate and drafter.config.calibrate:
-    out = out + calibration_bias(target_params, cfg, drafter.config,
-                                 drafter.params["calib"], x, bonus_BxM, head,
-                                 drafter.params)
-  if context is not None and drafter.config.rescores:
-    out = rescored(cfg, drafter, out, *context)
-  return out
+  them only slot by slot, calls `rescored_drafts`). `DraftModel.logits` over
+  plain pytrees."""
+  return DraftModel.of(cfg, drafter.config, target_params).apply(
+      transformer.variables(target_params, drafter.params), hm_BxMxH, bonus_BxM,
+      calibrate=calibrate, context=context, method="logits")
 
 
 def prior_bias(cfg: ModelConfig, drafter: Drafter, cand_BxMxC, prev2_BxM, prev_BxM,

@@ -17,17 +17,23 @@ The *draft pytree* (trainable, flexdraft_jax/drafter) holds `mask` [H], the
 draft attention projectors of the last L layers stacked as `layers` [L, ...]
 (same keys as above, attention ones only) and the calibration MLP.
 
-`forward` runs clean tokens through every layer and, optionally, mask rows
-through the deep layers `[s, n)`. Clean rows use only target weights and so
-compute exactly what the target alone computes (SPEC §1).
+`Transformer` is the target as a Flax linen module: it owns the target pytree
+as its "params" collection (`init` creates it, the loaders fill it) and reads
+the draft pytree, when mask rows run, from the "draft" collection (declared by
+`drafter.model.DraftModel`). Its `forward` runs clean tokens through every
+layer and, optionally, mask rows through the deep layers `[s, n)`. Clean rows
+use only target weights and so compute exactly what the target alone computes
+(SPEC §1). The functions `forward`, `embed`, `logits`, ... apply the module to
+plain pytrees.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-from typing import NamedTuple, Optional
+from typing import Any, NamedTuple, Optional
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
@@ -76,27 +82,6 @@ class MaskRows(NamedTuple):
   block: Optional[int] = None
 
 
-def mask_input(params, draft, masks: MaskRows, dtype):
-  """Mask rows' hidden states at the split layer: the learned mask vector `[H]`,
-  or per-slot vectors `[bs, H]`: row m gets the vector of its slot, its index
-  within its group (groups are contiguous runs of `group_M`, in order). A
-  drafter with `bonus_in` adds `embed(bonus) @ bonus_in` at slot 0 where the
-  bonus is known (>= 0)."""
-  B, M = masks.pos_BxM.shape
-  group = masks.group_M.astype(jnp.int32)
-  slot = jnp.arange(M) - jnp.searchsorted(group, group, side="left")
-  mask = draft["mask"].astype(dtype)
-  if mask.ndim == 2:
-    mask = mask[jnp.minimum(slot, mask.shape[0] - 1)]
-  hm = jnp.broadcast_to(mask, (B, M, mask.shape[-1]))
-  if "bonus_in" not in draft or masks.bonus_BxM is None:
-    return hm
-  known = (slot == 0)[None, :] & (masks.bonus_BxM >= 0)
-  e = (embed(params, jnp.maximum(masks.bonus_BxM, 0)).astype(dtype)
-       @ draft["bonus_in"].astype(dtype))
-  return hm + jnp.where(known[..., None], e, 0).astype(dtype)
-
-
 def rms_norm(x, w, eps):
   x32 = x.astype(jnp.float32)
   x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
@@ -130,40 +115,6 @@ def rope(x_BxTxNxD, pos_BxT, cfg: ModelConfig):
   x1, x2 = jnp.split(x, 2, axis=-1)
   out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
   return out.astype(x_BxTxNxD.dtype)
-
-
-def embed(params, tokens_BxT):
-  return jnp.take(params["embed"], tokens_BxT, axis=0)
-
-
-def logits(params, cfg: ModelConfig, h_BxTxH):
-  """Final norm + LM head, fp32 logits `[B, T, V]`."""
-  x = rms_norm(h_BxTxH, params["final_norm"], cfg.rms_norm_eps)
-  if cfg.tie_embeddings:
-    return jnp.einsum("BTH,VH->BTV", x, params["embed"],
-                      preferred_element_type=jnp.float32)
-  return jnp.einsum("BTH,HV->BTV", x, params["lm_head"],
-                    preferred_element_type=jnp.float32)
-
-
-def greedy_tokens(params, cfg: ModelConfig, h_BxTxH):
-  """`argmax(logits(h))` `[B, T]` int32, without materialising `[B, T, V]`
-  row-major: the head is computed as `[V, B*T]` (vocabulary rows streamed
-  once), which XLA:CPU runs ~1.5x faster than the `[B*T, V]` product for
-  2-32 rows (the verify block at small batch) and no slower for one row or
-  many. Decoding uses it for every greedy token, so AR steps and verify
-  blocks take their argmax from the same computation (on a CPU, the tied head
-  through `kernels.cpu_matmul`, whose rows do not depend on B * T)."""
-  B, T, H = h_BxTxH.shape
-  x = rms_norm(h_BxTxH, params["final_norm"], cfg.rms_norm_eps).reshape(B * T, H)
-  if cfg.tie_embeddings and cpu_matmul.supports(params["embed"], x):
-    lg = cpu_matmul.matmul_t(params["embed"], x)
-    return jnp.argmax(lg, axis=-1).astype(jnp.int32).reshape(B, T)
-  if cfg.tie_embeddings:
-    lg = jnp.einsum("VH,NH->VN", params["embed"], x, preferred_element_type=jnp.float32)
-  else:
-    lg = jnp.einsum("HV,NH->VN", params["lm_head"], x, preferred_element_type=jnp.float32)
-  return jnp.argmax(lg, axis=0).astype(jnp.int32).reshape(B, T)
 
 
 def _layer(layers, i):
@@ -293,99 +244,282 @@ def _layer_step(*, cfg, lp, dp, h_BxTxH, hm_BxMxH, ck, cv, layer, pos_BxT, masks
   return h_BxTxH, hm_BxMxH, ck, cv
 
 
-def _clean_input(params, cfg, tokens_BxT, pos_BxT, masks):
-  """The clean rows' embeddings and positions; a mask-only pass gets T = 0."""
-  if tokens_BxT is None:
-    B = masks.pos_BxM.shape[0]
-    return (jnp.zeros((B, 0, cfg.hidden_size), params["embed"].dtype),
-            jnp.zeros((B, 0), jnp.int32))
-  return embed(params, tokens_BxT), pos_BxT
+def layer_shapes(cfg: ModelConfig) -> dict:
+  """Expected per-layer shape of every stacked key for `cfg`."""
+  H, F, D = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+  shapes = {"input_norm": (H,), "post_norm": (H,),
+            "q": (H, cfg.q_size), "k": (H, cfg.kv_size), "v": (H, cfg.kv_size),
+            "o": (cfg.q_size, H), "gate": (H, F), "up": (H, F), "down": (F, H)}
+  if cfg.attention_bias:
+    shapes.update(q_bias=(cfg.q_size,), k_bias=(cfg.kv_size,), v_bias=(cfg.kv_size,))
+  if cfg.qk_norm:
+    shapes.update(q_norm=(D,), k_norm=(D,))
+  return shapes
+
+
+def global_shapes(cfg: ModelConfig) -> dict:
+  """Expected shape of every non-layer key for `cfg`."""
+  shapes = {"embed": (cfg.vocab_size, cfg.hidden_size), "final_norm": (cfg.hidden_size,)}
+  if not cfg.tie_embeddings:
+    shapes["lm_head"] = (cfg.hidden_size, cfg.vocab_size)
+  return shapes
+
+
+def _init(key: str):
+  """A weight's initializer: norms start at one, biases at zero, the rest
+  N(0, 0.02²)."""
+  if key.endswith("norm"):
+    return nn.initializers.ones
+  if key.endswith("_bias"):
+    return nn.initializers.zeros
+  return nn.initializers.normal(0.02)
+
+
+class Transformer(nn.Module):
+  """The target decoder as a linen module over the collections "params" (the
+  target pytree, which it declares) and "draft" (the draft pytree, read by
+  mask rows only; see `drafter.model.DraftModel`).
+
+  `layout` is that of `params["layers"]`: "stacked" (`[n, ...]` leaves) or
+  "layers" (a list of per-layer dicts; `transposed`: the matmul weights
+  `[out, in]` as KEY + "_t"; layers below `first_layer` None, a
+  `deep_layers_view`). `Transformer.of(cfg, params)` reads it off a tree.
+  """
+  cfg: ModelConfig
+  layout: str = "stacked"
+  first_layer: int = 0
+  transposed: bool = True
+  dtype: Any = jnp.float32  # of the weights `init` creates
+
+  @classmethod
+  def of(cls, cfg: ModelConfig, params) -> "Transformer":
+    """The module whose "params" collection `params` is."""
+    layers = params["layers"]
+    if not isinstance(layers, (list, tuple)):
+      return cls(cfg)
+    first = next(i for i, lp in enumerate(layers) if lp is not None)
+    return cls(cfg, "layers", first, any(k.endswith("_t") for k in layers[first]))
+
+  def setup(self):
+    cfg = self.cfg
+    shapes = global_shapes(cfg)
+    self.embedding = self.param("embed", _init("embed"), shapes["embed"], self.dtype)
+    self.final_norm = self.param("final_norm", _init("final_norm"), shapes["final_norm"],
+                                 self.dtype)
+    self.lm_head = (None if cfg.tie_embeddings else
+                    self.param("lm_head", _init("lm_head"), shapes["lm_head"], self.dtype))
+    self.layers = self.param("layers", self._init_layers)
+
+  def _init_layers(self, rng):
+    n, shapes = self.cfg.num_layers, layer_shapes(self.cfg)
+    keys = jax.random.split(rng, len(shapes))
+    stacked = {k: _init(k)(r, (n,) + shape, self.dtype)
+               for r, (k, shape) in zip(keys, shapes.items())}
+    if self.layout == "stacked":
+      return stacked
+    per_layer = [{k: w[i] for k, w in stacked.items()} for i in range(n)]
+    if self.transposed:
+      per_layer = [decode_layer(lp) for lp in per_layer]
+    return [None] * self.first_layer + per_layer[self.first_layer:]
+
+  def weights(self) -> dict:
+    """The target pytree: `init(rng, method="weights")` creates a random one."""
+    return self.variables["params"]
+
+  def __call__(self, tokens_BxT):
+    """fp32 logits `[B, T, V]` of whole sequences (positions 0..T-1)."""
+    B, T = tokens_BxT.shape
+    cache = KVCache.zeros(self.cfg, B, T, self.embedding.dtype,
+                          per_layer=self.layout == "layers")
+    pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    h, _, _ = self.forward(cache, tokens_BxT, pos)
+    return self.logits(h)
+
+  def embed(self, tokens_BxT):
+    return jnp.take(self.embedding, tokens_BxT, axis=0)
+
+  def logits(self, h_BxTxH):
+    """Final norm + LM head, fp32 logits `[B, T, V]`."""
+    x = rms_norm(h_BxTxH, self.final_norm, self.cfg.rms_norm_eps)
+    if self.cfg.tie_embeddings:
+      return jnp.einsum("BTH,VH->BTV", x, self.embedding,
+                        preferred_element_type=jnp.float32)
+    return jnp.einsum("BTH,HV->BTV", x, self.lm_head,
+                      preferred_element_type=jnp.float32)
+
+  def greedy_tokens(self, h_BxTxH):
+    """`argmax(logits(h))` `[B, T]` int32, without materialising `[B, T, V]`
+    row-major: the head is computed as `[V, B*T]` (vocabulary rows streamed
+    once), which XLA:CPU runs ~1.5x faster than the `[B*T, V]` product for
+    2-32 rows (the verify block at small batch) and no slower for one row or
+    many. Decoding uses it for every greedy token, so AR steps and verify
+    blocks take their argmax from the same computation (on a CPU, the tied head
+    through `kernels.cpu_matmul`, whose rows do not depend on B * T)."""
+    cfg = self.cfg
+    B, T, H = h_BxTxH.shape
+    x = rms_norm(h_BxTxH, self.final_norm, cfg.rms_norm_eps).reshape(B * T, H)
+    if cfg.tie_embeddings and cpu_matmul.supports(self.embedding, x):
+      lg = cpu_matmul.matmul_t(self.embedding, x)
+      return jnp.argmax(lg, axis=-1).astype(jnp.int32).reshape(B, T)
+    if cfg.tie_embeddings:
+      lg = jnp.einsum("VH,NH->VN", self.embedding, x, preferred_element_type=jnp.float32)
+    else:
+      lg = jnp.einsum("HV,NH->VN", self.lm_head, x, preferred_element_type=jnp.float32)
+    return jnp.argmax(lg, axis=0).astype(jnp.int32).reshape(B, T)
+
+  def draft(self) -> dict:
+    """The draft pytree (the "draft" collection)."""
+    return self.variables["draft"]
+
+  def mask_input(self, masks: MaskRows, dtype):
+    """Mask rows' hidden states at the split layer: the learned mask vector `[H]`,
+    or per-slot vectors `[bs, H]`: row m gets the vector of its slot, its index
+    within its group (groups are contiguous runs of `group_M`, in order). A
+    drafter with `bonus_in` adds `embed(bonus) @ bonus_in` at slot 0 where the
+    bonus is known (>= 0)."""
+    draft = self.draft()
+    B, M = masks.pos_BxM.shape
+    group = masks.group_M.astype(jnp.int32)
+    slot = jnp.arange(M) - jnp.searchsorted(group, group, side="left")
+    mask = draft["mask"].astype(dtype)
+    if mask.ndim == 2:
+      mask = mask[jnp.minimum(slot, mask.shape[0] - 1)]
+    hm = jnp.broadcast_to(mask, (B, M, mask.shape[-1]))
+    if "bonus_in" not in draft or masks.bonus_BxM is None:
+      return hm
+    known = (slot == 0)[None, :] & (masks.bonus_BxM >= 0)
+    e = (self.embed(jnp.maximum(masks.bonus_BxM, 0)).astype(dtype)
+         @ draft["bonus_in"].astype(dtype))
+    return hm + jnp.where(known[..., None], e, 0).astype(dtype)
+
+  def forward(self, cache: KVCache, tokens_BxT: Optional[jax.Array],
+              pos_BxT: Optional[jax.Array], *, masks: Optional[MaskRows] = None,
+              num_draft_layers: int = 0, attn_impl: str = "xla",
+              kv_block: Optional[int] = None):
+    """Runs clean tokens (all layers) and mask rows (deep layers) in one pass.
+
+    Args:
+      tokens_BxT/pos_BxT: clean tokens and their positions; `None` for a
+        deep-layers-only pass of mask rows (sequential drafting, training).
+      masks/num_draft_layers: the mask rows and L; mask rows enter at layer
+        `n - L` as the learned `mask` vector, through the draft collection's
+        attention. A decoding draft pytree may hold `deep_mlp`, per deep layer
+        the MLP weights (gate/up/down `_t`, post_norm) the mask rows use in
+        place of the target's: a bf16 copy, so the draft pass streams half the
+        bytes (`engine.narrow_draft_params`; clean rows keep the target's).
+      kv_block: read the cache in blocks up to the largest visible position
+        (decoding; not differentiable); None reads it whole (training).
+    Returns:
+      (h_clean [B, T, H] or None, h_mask [B, M, H] or None, cache) — hidden
+      states before the final norm; the cache holds the clean K/V written.
+
+    Stacked weights (`[n, ...]` leaves) run as two `lax.scan`s (shallow
+    layers, deep layers); per-layer weights (`unstack_layers`) as a Python
+    loop: XLA:CPU copies each layer's slice out of stacked weights before its
+    matmuls, which doubles the bytes a decode step moves, while separate
+    arrays are read in place.
+    """
+    cfg = self.cfg
+    n = cfg.num_layers
+    s = n - num_draft_layers if masks is not None else n
+    clean = tokens_BxT is not None
+    if clean:
+      h = self.embed(tokens_BxT)
+    else:  # a mask-only pass gets T = 0
+      B = masks.pos_BxM.shape[0]
+      h = jnp.zeros((B, 0, cfg.hidden_size), self.embedding.dtype)
+      pos_BxT = jnp.zeros((B, 0), jnp.int32)
+    step = functools.partial(_layer_step, cfg=cfg, pos_BxT=pos_BxT, masks=masks,
+                             attn_impl=attn_impl, kv_block=kv_block)
+    if self.layout == "layers":
+      return self._layer_loop(self.layers, cache, h, s, masks, step, clean)
+
+    layers = self.layers
+    ck, cv = cache
+
+    def shallow(carry, i):
+      h, ck, cv = carry
+      h, _, ck, cv = step(lp=_layer(layers, i), dp=None, h_BxTxH=h, hm_BxMxH=None,
+                          ck=ck, cv=cv, layer=i)
+      return (h, ck, cv), None
+
+    if clean and s > 0:
+      (h, ck, cv), _ = jax.lax.scan(shallow, (h, ck, cv), jnp.arange(s))
+    if masks is None:
+      return h, None, KVCache(ck, cv)
+
+    # A mask-only pass may get the cache of the deep layers alone (training).
+    offset = n - ck.shape[0]
+    if offset and (clean or offset > s):
+      raise ValueError(f"a cache of {ck.shape[0]} layers serves only a mask-only pass "
+                       f"over the last {n - s} layers")
+    if not clean:
+      # Training's mask-only pass runs the few deep layers as the per-layer
+      # loop: under a gradient a scan stacks each layer's residuals (its cache
+      # slice, attention weights) into fresh [L, ...] buffers every step.
+      per_layer = lambda c: tuple([None] * s + [c[i - offset] for i in range(s, n)])
+      deep = [None] * s + [_layer(layers, i) for i in range(s, n)]
+      return self._layer_loop(deep, KVCache(per_layer(ck), per_layer(cv)), h, s, masks,
+                              step, clean)
+
+    draft_layers = self.draft()["layers"]
+
+    def deep(carry, i):
+      h, hm, ck, cv = carry
+      h, hm, ck, cv = step(lp=_layer(layers, i), dp=_layer(draft_layers, i - s),
+                           h_BxTxH=h, hm_BxMxH=hm, ck=ck, cv=cv, layer=i - offset)
+      return (h, hm, ck, cv), None
+
+    hm = self.mask_input(masks, h.dtype)
+    (h, hm, ck, cv), _ = jax.lax.scan(deep, (h, hm, ck, cv), jnp.arange(s, n))
+    return h, hm, KVCache(ck, cv)
+
+  def _layer_loop(self, layers, cache, h, s, masks, step, clean):
+    """`forward` over per-layer weights (`layers`, a list of n dicts, None
+    below the first layer run) and a per-layer cache, as a Python loop."""
+    ck, cv = list(cache.k), list(cache.v)
+    draft = self.draft() if masks is not None else None
+    hm = None
+    for i in range(0 if clean else s, self.cfg.num_layers):
+      if i == s and masks is not None:
+        hm = self.mask_input(masks, h.dtype)
+      dp = _layer(draft["layers"], i - s) if hm is not None else None
+      mp = draft["deep_mlp"][i - s] if hm is not None and "deep_mlp" in draft else None
+      h, hm, ck[i], cv[i] = step(lp=layers[i], dp=dp, mp=mp, h_BxTxH=h, hm_BxMxH=hm,
+                                 ck=ck[i], cv=cv[i], layer=None)
+    return (h if clean else None), hm, KVCache(tuple(ck), tuple(cv))
+
+
+def variables(params, draft=None) -> dict:
+  """The modules' variables: the target pytree as "params", the draft pytree
+  (when given) as "draft"."""
+  return {"params": params} if draft is None else {"params": params, "draft": draft}
 
 
 def forward(params, cfg: ModelConfig, cache: KVCache,
             tokens_BxT: Optional[jax.Array], pos_BxT: Optional[jax.Array], *,
-            draft=None, masks: Optional[MaskRows] = None,
-            num_draft_layers: int = 0, attn_impl: str = "xla",
-            kv_block: Optional[int] = None):
-  """Runs clean tokens (all layers) and mask rows (deep layers) in one pass.
+            draft=None, **kw):
+  """`Transformer.forward` over the target pytree `params` and the draft
+  pytree `draft` (see there for the arguments)."""
+  return Transformer.of(cfg, params).apply(variables(params, draft), cache, tokens_BxT,
+                                           pos_BxT, method="forward", **kw)
 
-  Args:
-    tokens_BxT/pos_BxT: clean tokens and their positions; `None` for a
-      deep-layers-only pass of mask rows (sequential drafting, training).
-    draft/masks/num_draft_layers: the draft pytree, the mask rows and L; mask
-      rows enter at layer `n - L` as the learned `mask` vector. A decoding
-      draft pytree may hold `deep_mlp`, per deep layer the MLP weights
-      (gate/up/down `_t`, post_norm) the mask rows use in place of the
-      target's: a bf16 copy, so the draft pass streams half the bytes
-      (`engine.narrow_draft_params`; clean rows keep the target's).
-    kv_block: read the cache in blocks up to the largest visible position
-      (decoding; not differentiable); None reads it whole (training).
-  Returns:
-    (h_clean [B, T, H] or None, h_mask [B, M, H] or None, cache) — hidden
-    states before the final norm; the cache holds the clean K/V written.
 
-  Stacked weights (`[n, ...]` leaves) run as two `lax.scan`s (shallow layers,
-  deep layers); per-layer weights (`unstack_layers`) as a Python loop: XLA:CPU
-  copies each layer's slice out of stacked weights before its matmuls, which
-  doubles the bytes a decode step moves, while separate arrays are read in
-  place.
-  """
-  n = cfg.num_layers
-  s = n - num_draft_layers if masks is not None else n
-  clean = tokens_BxT is not None
-  h, pos_BxT = _clean_input(params, cfg, tokens_BxT, pos_BxT, masks)
-  step = functools.partial(_layer_step, cfg=cfg, pos_BxT=pos_BxT, masks=masks,
-                           attn_impl=attn_impl, kv_block=kv_block)
-  if is_per_layer(params):
-    ck, cv = list(cache.k), list(cache.v)
-    hm = None
-    for i in range(0 if clean else s, n):
-      if i == s and masks is not None:
-        hm = mask_input(params, draft, masks, h.dtype)
-      dp = _layer(draft["layers"], i - s) if hm is not None else None
-      mp = draft["deep_mlp"][i - s] if hm is not None and "deep_mlp" in draft else None
-      h, hm, ck[i], cv[i] = step(lp=params["layers"][i], dp=dp, mp=mp, h_BxTxH=h,
-                                 hm_BxMxH=hm, ck=ck[i], cv=cv[i], layer=None)
-    return (h if clean else None), hm, KVCache(tuple(ck), tuple(cv))
+def mask_input(params, cfg: ModelConfig, draft, masks: MaskRows, dtype):
+  """`Transformer.mask_input` over the target and draft pytrees."""
+  return Transformer.of(cfg, params).apply(variables(params, draft), masks, dtype,
+                                           method="mask_input")
 
-  layers = params["layers"]
-  ck, cv = cache
 
-  def shallow(carry, i):
-    h, ck, cv = carry
-    h, _, ck, cv = step(lp=_layer(layers, i), dp=None, h_BxTxH=h, hm_BxMxH=None,
-                        ck=ck, cv=cv, layer=i)
-    return (h, ck, cv), None
+def logits(params, cfg: ModelConfig, h_BxTxH):
+  """`Transformer.logits` over the target pytree `params`."""
+  return Transformer.of(cfg, params).apply(variables(params), h_BxTxH, method="logits")
 
-  if clean and s > 0:
-    (h, ck, cv), _ = jax.lax.scan(shallow, (h, ck, cv), jnp.arange(s))
-  if masks is None:
-    return h, None, KVCache(ck, cv)
 
-  # A mask-only pass may get the cache of the deep layers alone (training).
-  offset = n - ck.shape[0]
-  if offset and (clean or offset > s):
-    raise ValueError(f"a cache of {ck.shape[0]} layers serves only a mask-only pass "
-                     f"over the last {n - s} layers")
-  if not clean:
-    # Training's mask-only pass runs the few deep layers as the per-layer loop
-    # above: under a gradient a scan stacks each layer's residuals (its cache
-    # slice, attention weights) into fresh [L, ...] buffers every step.
-    per_layer = lambda c: tuple([None] * s + [c[i - offset] for i in range(s, n)])
-    return forward(deep_layers_view(params, n - s), cfg,
-                   KVCache(per_layer(ck), per_layer(cv)), None, None, draft=draft,
-                   masks=masks, num_draft_layers=n - s, attn_impl=attn_impl,
-                   kv_block=kv_block)
-
-  def deep(carry, i):
-    h, hm, ck, cv = carry
-    h, hm, ck, cv = step(lp=_layer(layers, i), dp=_layer(draft["layers"], i - s),
-                         h_BxTxH=h, hm_BxMxH=hm, ck=ck, cv=cv, layer=i - offset)
-    return (h, hm, ck, cv), None
-
-  hm = mask_input(params, draft, masks, h.dtype)
-  (h, hm, ck, cv), _ = jax.lax.scan(deep, (h, hm, ck, cv), jnp.arange(s, n))
-  return h, hm, KVCache(ck, cv)
+def greedy_tokens(params, cfg: ModelConfig, h_BxTxH):
+  """`Transformer.greedy_tokens` over the target pytree `params`."""
+  return Transformer.of(cfg, params).apply(variables(params), h_BxTxH,
+                                           method="greedy_tokens")
 
 
 def deep_layers_view(params, num_draft_layers: int) -> dict:

@@ -1,9 +1,10 @@
-"""Assembling the target pytree (see transformer.py) from per-tensor host arrays.
+"""Filling the target module's variables (`transformer.Transformer`'s "params"
+collection) from per-tensor host arrays.
 
 Checkpoint readers (hf.py, gguf_loader.py) supply host numpy arrays already in
-the target layout (`[in, out]`); this module checks their shapes, stacks the
-layers on axis 0 and moves them to the device in the requested dtype. It also
-computes the target's fingerprint.
+the target layout (`[in, out]`); this module checks them against the shapes
+the module declares, stacks the layers on axis 0 and moves them to the device
+in the requested dtype. It also computes the target's fingerprint.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import hashlib
 import json
 from typing import Callable
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -23,25 +25,8 @@ FetchGlobal = Callable[[str], np.ndarray]
 FetchLayer = Callable[[str, int], np.ndarray]
 
 
-def layer_shapes(cfg: ModelConfig) -> dict:
-  """Expected per-layer shape of every stacked key for `cfg`."""
-  H, F, D = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
-  shapes = {"input_norm": (H,), "post_norm": (H,),
-            "q": (H, cfg.q_size), "k": (H, cfg.kv_size), "v": (H, cfg.kv_size),
-            "o": (cfg.q_size, H), "gate": (H, F), "up": (H, F), "down": (F, H)}
-  if cfg.attention_bias:
-    shapes.update(q_bias=(cfg.q_size,), k_bias=(cfg.kv_size,), v_bias=(cfg.kv_size,))
-  if cfg.qk_norm:
-    shapes.update(q_norm=(D,), k_norm=(D,))
-  return shapes
-
-
-def global_shapes(cfg: ModelConfig) -> dict:
-  """Expected shape of every non-layer key for `cfg`."""
-  shapes = {"embed": (cfg.vocab_size, cfg.hidden_size), "final_norm": (cfg.hidden_size,)}
-  if not cfg.tie_embeddings:
-    shapes["lm_head"] = (cfg.hidden_size, cfg.vocab_size)
-  return shapes
+layer_shapes = transformer.layer_shapes
+global_shapes = transformer.global_shapes
 
 
 def _checked(x: np.ndarray, want: tuple, what: str) -> np.ndarray:
@@ -60,8 +45,8 @@ def check_layout(layout: str) -> None:
 
 def build_params(cfg: ModelConfig, fetch_global: FetchGlobal, fetch_layer: FetchLayer,
                  dtype, layout: str = "stacked") -> dict:
-  """The target pytree in either layout; one key at a time, so host memory holds
-  at most one stacked tensor beyond the result.
+  """The target module's "params" collection in either layout, filled one key
+  at a time, so host memory holds at most one stacked tensor beyond the result.
 
   layout: "stacked" (`layers[key]` is `[n, ...]`; training scans over it) or
     "layers" (`layers[i][key]`, the matmul weights transposed as KEY + "_t":
@@ -69,21 +54,26 @@ def build_params(cfg: ModelConfig, fetch_global: FetchGlobal, fetch_layer: Fetch
     `transformer.decode_layer`).
   """
   check_layout(layout)
-  params = {k: jnp.asarray(_checked(fetch_global(k), shape, k), dtype=dtype)
-            for k, shape in global_shapes(cfg).items()}
+  model = transformer.Transformer(cfg, layout, dtype=dtype)
+  want = jax.eval_shape(lambda: model.init(jax.random.key(0), method="weights"))["params"]
+  params = {k: jnp.asarray(_checked(fetch_global(k), want[k].shape, k), dtype=dtype)
+            for k in want if k != "layers"}
   if layout == "layers":
     params["layers"] = [transformer.decode_layer(
         {key: jnp.asarray(_checked(fetch_layer(key, i), shape, f"{key}[layer {i}]"),
                           dtype=dtype) for key, shape in layer_shapes(cfg).items()})
         for i in range(cfg.num_layers)]
-    return params
-  layers = {}
-  for key, shape in layer_shapes(cfg).items():
-    per_layer = [_checked(fetch_layer(key, i), shape, f"{key}[layer {i}]")
-                 for i in range(cfg.num_layers)]
-    layers[key] = jnp.asarray(np.stack(per_layer), dtype=dtype)
-    del per_layer
-  params["layers"] = layers
+  else:
+    layers = {}
+    for key, shape in layer_shapes(cfg).items():
+      per_layer = [_checked(fetch_layer(key, i), shape, f"{key}[layer {i}]")
+                   for i in range(cfg.num_layers)]
+      layers[key] = jnp.asarray(np.stack(per_layer), dtype=dtype)
+      del per_layer
+    params["layers"] = layers
+  if jax.tree.structure(params) != jax.tree.structure(want):
+    raise FlexDraftError(f"the checkpoint's tensors do not fill the model's parameters "
+                         f"({jax.tree.structure(params)} vs {jax.tree.structure(want)})")
   return params
 
 

@@ -15,8 +15,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from flexdraft_jax.drafter.model import (Drafter, DrafterConfig, draft_head,
-                                         draft_logits)
+from flexdraft_jax.drafter.model import DrafterConfig, DraftModel, draft_head
 from flexdraft_jax.model import transformer
 from flexdraft_jax.model.config import ModelConfig
 
@@ -42,8 +41,9 @@ def clean_pass(target_params, cfg: ModelConfig, tokens_BxT, *, attn_impl="xla"):
   B, T = tokens_BxT.shape
   cache = transformer.KVCache.zeros(cfg, B, T, target_params["embed"].dtype)
   pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-  h, _, cache = transformer.forward(target_params, cfg, cache, tokens_BxT, pos,
-                                    attn_impl=attn_impl)
+  h, _, cache = transformer.Transformer.of(cfg, target_params).apply(
+      transformer.variables(target_params), cache, tokens_BxT, pos, attn_impl=attn_impl,
+      method="forward")
   return jax.lax.stop_gradient(h), jax.lax.stop_gradient(cache)
 
 
@@ -111,10 +111,10 @@ def loss_sums(draft_params, target_params, cfg: ModelConfig, dcfg: DrafterConfig
     if "blind_BxK" in batch:
       seen_B_K = jnp.where(batch["blind_BxK"], -1, bonus_B_K)
     masks = masks._replace(bonus_BxM=jnp.repeat(seen_B_K, bs, axis=1))
-  _, hm, _ = transformer.forward(target_params, cfg, cache, None, None,
-                                 draft=draft, masks=masks,
-                                 num_draft_layers=dcfg.num_layers,
-                                 attn_impl=attn_impl)
+  variables = transformer.variables(target_params, draft)
+  _, hm, _ = transformer.Transformer.of(cfg, target_params).apply(
+      variables, cache, None, None, masks=masks, num_draft_layers=dcfg.num_layers,
+      attn_impl=attn_impl, method="forward")
   # Slot 0 (on the bonus) takes part in the deep layers but drafts nothing:
   # its head and calibration are skipped. S = bs - 1 slots from here on.
   S = bs - 1
@@ -127,8 +127,8 @@ def loss_sums(draft_params, target_params, cfg: ModelConfig, dcfg: DrafterConfig
         tokens, jnp.clip(pos_BxKxS - d, 0, T - 1).reshape(B, K * S), axis=1)
     first = jnp.tile(jnp.arange(S) == 0, K)[None]   # slot 1: after the bonus alone
     context = (jnp.where(first, -1, at(2)), at(1), tokens, jnp.repeat(anchor + 1, S, axis=1))
-  logits = draft_logits(target_params, cfg, Drafter(dcfg, draft), hm, bonus_BxM,
-                        context=context)
+  logits = DraftModel.of(cfg, dcfg, target_params).apply(
+      variables, hm, bonus_BxM, context=context, method="logits")
   logits_BxKxSxV = logits.reshape(B, K, S, -1)
   label_BxKxS = jnp.take_along_axis(
       tokens, jnp.minimum(pos_BxKxS, T - 1).reshape(B, K * S), axis=1).reshape(B, K, S)
