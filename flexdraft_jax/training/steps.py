@@ -1,6 +1,12 @@
 """The trained state and the jitted training and eval steps (SPEC §4): only
 the draft pytree is differentiated and has optimizer state; the target pytree
-is an input of the step and comes back untouched."""
+is an input of the step and comes back untouched.
+
+The optimizer runs over the modules' variables, `{"params": target, "draft":
+draft}` (see `optimizer_variables`): a label tree (`param_labels`) sends the
+draft's weights to AdamW and the target (and the draft's data leaves) to
+`optax.set_to_zero`, so the frozen trunk has no optimizer state and no
+update."""
 
 from __future__ import annotations
 
@@ -11,9 +17,11 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec as P
 
+from flexdraft_jax.drafter.model import FIXED_KEYS
 from flexdraft_jax.training import loss as loss_lib
 
 DECAY_KEYS = ("q", "k", "v", "o", "w1", "w2")
+TRAINED, FROZEN = "trained", "frozen"
 
 
 class TrainState(NamedTuple):
@@ -28,9 +36,25 @@ def scored_params(state: TrainState):
   return state.params if state.ema is None else state.ema
 
 
+def optimizer_variables(target_params, draft_params) -> dict:
+  """What the optimizer runs over: the target as "params", the draft as "draft"."""
+  return {"params": target_params, "draft": draft_params}
+
+
+def param_labels(variables) -> dict:
+  """The label tree (a prefix of `variables`): FROZEN for the whole target
+  (collection "params") and the draft's data leaves (`FIXED_KEYS`), TRAINED
+  for the draft's weights. Being a prefix, it makes the optimizer state hold
+  one empty node for the target, whatever its layout."""
+  return {"params": FROZEN,
+          "draft": {k: FROZEN if k in FIXED_KEYS else TRAINED for k in variables["draft"]}}
+
+
 def make_optimizer(tc) -> tuple:
   """AdamW (decay on matrices only) + warm-up, then cosine or constant (with
-  an optional linear decay over its last `decay_steps`) + global-norm clipping."""
+  an optional linear decay over its last `decay_steps`) + global-norm clipping,
+  on the draft's weights only (`param_labels`): `tx` runs over
+  `optimizer_variables`."""
   if tc.schedule == "constant":
     schedule = optax.warmup_constant_schedule(0.0, tc.lr, max(tc.warmup_steps, 1))
     decay = tc.decay_steps
@@ -44,9 +68,11 @@ def make_optimizer(tc) -> tuple:
         end_value=tc.lr * 0.05)
   decay_mask = lambda p: jax.tree_util.tree_map_with_path(
       lambda path, _: path[-1].key in DECAY_KEYS, p)
-  tx = optax.chain(optax.clip_by_global_norm(tc.clip_norm),
-                   optax.adamw(schedule, b1=tc.b1, b2=tc.b2,
-                               weight_decay=tc.weight_decay, mask=decay_mask))
+  draft_tx = optax.chain(optax.clip_by_global_norm(tc.clip_norm),
+                         optax.adamw(schedule, b1=tc.b1, b2=tc.b2,
+                                     weight_decay=tc.weight_decay, mask=decay_mask))
+  tx = optax.multi_transform({TRAINED: draft_tx, FROZEN: optax.set_to_zero()},
+                             param_labels)
   return tx, schedule
 
 
@@ -83,8 +109,12 @@ def make_steps(cfg, dcfg, tx, schedule, tc, shardings: dict, mesh, fixed=None):
   def train_step(state: TrainState, target_params, batch):
     grads, sums = grads_and_sums(state.params, target_params, batch)
     grads = jax.tree.map(lambda g: g / jnp.maximum(sums["weight"], 1e-9), grads)
-    updates, opt_state = tx.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
+    # The target takes no gradient: zeros stand in for it (FROZEN discards
+    # them, and XLA drops them, the target's updates being unused).
+    updates, opt_state = tx.update(
+        optimizer_variables(jax.tree.map(jnp.zeros_like, target_params), grads),
+        state.opt_state, optimizer_variables(target_params, state.params))
+    params = optax.apply_updates(state.params, updates["draft"])
     ema = state.ema
     if ema is not None:
       ema = jax.tree.map(lambda e, p: e + (1.0 - tc.ema_decay) * (p - e), ema, params)

@@ -51,7 +51,7 @@ from flexdraft_jax.training.config import check_train_config
 from flexdraft_jax.training.drafter_init import draft_vocab, warm_start
 from flexdraft_jax.training.metrics_log import MetricsLog
 from flexdraft_jax.training.steps import (TrainState, make_optimizer, make_steps,
-                                          scored_params)
+                                          optimizer_variables, scored_params)
 
 class TrainResult(NamedTuple):
   summary: dict      # JSON-able: steps, tokens seen, best eval τ, data
@@ -153,7 +153,7 @@ def setup(config, workdir=None) -> Setup:
   params_sh = sharding.param_shardings(draft0, mesh)
   params = sharding.put_global(draft0, params_sh)
   rep = NamedSharding(mesh, P())
-  opt_state = jax.jit(tx.init)(params)
+  opt_state = jax.jit(tx.init)(optimizer_variables(target_params, params))
   # The average starts at the initial weights, in buffers of its own (the state
   # is donated to the step).
   ema = sharding.put_global(draft0, params_sh) if tc.ema_decay else None
