@@ -12,8 +12,7 @@ from tests import tiny  # noqa: E402
 
 from flexdraft_jax.drafter import checkpoint as ckpt  # noqa: E402
 from flexdraft_jax.drafter.model import (Drafter, DrafterConfig, DraftModel,  # noqa: E402
-                                         draft_logits,
-                                         init_draft_params, num_params)
+                                         draft_logits, init_draft_params, num_params)
 from flexdraft_jax.model.config import FlexDraftError, ModelConfig  # noqa: E402
 
 DCFG = DrafterConfig(num_layers=2, block_size=4, calib_rank=8)

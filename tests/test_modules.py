@@ -10,7 +10,7 @@ import optax
 
 from tests import tiny
 
-from flexdraft_jax.drafter.model import (DrafterConfig, DraftModel, draft_logits, Drafter,
+from flexdraft_jax.drafter.model import (Drafter, DrafterConfig, DraftModel, draft_logits,
                                          init_draft_params, num_params)
 from flexdraft_jax.model import transformer
 from flexdraft_jax.model.random_target import RANDOM_CONFIGS
