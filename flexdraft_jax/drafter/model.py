@@ -112,13 +112,17 @@ class DraftModel(nn.Module):
   target: transformer.Transformer
   dcfg: DrafterConfig
   dtype: Any = None  # of the weights `init` creates; None: the target's
+  # The key of `init`'s draws (mask, then calibration w1: `split(init_key)`,
+  # so a seed draws the drafter it always drew); None: the "params" rng.
+  init_key: Any = None
 
   @classmethod
-  def of(cls, cfg: ModelConfig, dcfg: DrafterConfig, target_params=None, dtype=None):
+  def of(cls, cfg: ModelConfig, dcfg: DrafterConfig, target_params=None, dtype=None,
+         init_key=None):
     """The drafter of `dcfg` over a target of `cfg` (laid out as `target_params`)."""
     target = (transformer.Transformer(cfg) if target_params is None
               else transformer.Transformer.of(cfg, target_params))
-    return cls(target, dcfg, dtype)
+    return cls(target, dcfg, dtype, init_key)
 
   def setup(self):
     nn.share_scope(self, self.target)
@@ -148,10 +152,16 @@ class DraftModel(nn.Module):
   def _dtype(self):
     return self.dtype or self.target.embedding.dtype
 
+  def _key(self, i: int):
+    """Key of init's draw i (0: mask, 1: calibration w1)."""
+    if self.init_key is None:
+      return self.make_rng("params")
+    return jax.random.split(self.init_key)[i]
+
   def _init_mask(self):
     H = self.target.cfg.hidden_size
     shape = (self.dcfg.block_size, H) if self.dcfg.per_slot_mask else (H,)
-    return (0.02 * jax.random.normal(self.make_rng("params"), shape)).astype(self._dtype())
+    return (0.02 * jax.random.normal(self._key(0), shape)).astype(self._dtype())
 
   def _init_layers(self):
     """Copies of the target's attention weights in its last L layers."""
@@ -165,7 +175,7 @@ class DraftModel(nn.Module):
     cfg, dcfg, dtype = self.target.cfg, self.dcfg, self._dtype()
     H, r = cfg.hidden_size, dcfg.calib_rank
     out = H if dcfg.calib_tied else (dcfg.draft_vocab or cfg.vocab_size)
-    w1 = jax.random.normal(self.make_rng("params"), (2 * H, r)) / np.sqrt(2 * H)
+    w1 = jax.random.normal(self._key(1), (2 * H, r)) / np.sqrt(2 * H)
     return {"w1": w1.astype(dtype), "b1": jnp.zeros((r,), dtype),
             "w2": jnp.zeros((r, out), dtype), "b2": jnp.zeros((out,), dtype)}
 
@@ -222,9 +232,9 @@ def init_draft_params(target_params, cfg: ModelConfig, dcfg: DrafterConfig,
   dcfg.validate(cfg)
   if dcfg.draft_vocab:
     vocab = check_vocab(vocab, dcfg.draft_vocab, cfg.vocab_size)
-  model = DraftModel.of(cfg, dcfg, target_params, dtype)
-  params, _ = model.apply(transformer.variables(target_params), rngs={"params": rng},
-                          method="weights", mutable="draft")
+  model = DraftModel.of(cfg, dcfg, target_params, dtype, init_key=rng)
+  params, _ = model.apply(transformer.variables(target_params), method="weights",
+                          mutable="draft")
   params = dict(params)
   if dcfg.draft_vocab:
     params["vocab"] = vocab
