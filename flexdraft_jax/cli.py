@@ -32,12 +32,12 @@ def _flag(name: str) -> str:
 
 
 def _flag_names(msg: str, names, lead: bool = True) -> str:
-  """`msg` naming the flags, not the Python arguments: every `name=` and (with
-  `lead`) a leading `name ` become `--flag-name`."""
+  """`msg` naming the flags, not the Python arguments: every `name=` or
+  `group.name=` and (with `lead`) a leading `name ` become `--flag-name`."""
   for name in names:
     if lead and msg.startswith(name + " "):
       msg = _flag(name) + msg[len(name):]
-    msg = re.sub(rf"(?<![\w-]){name}=", _flag(name) + "=", msg)
+    msg = re.sub(rf"(?<![\w.-])(?:\w+\.)?{name}=", _flag(name) + "=", msg)
   return msg
 
 
@@ -88,6 +88,30 @@ def _parser() -> argparse.ArgumentParser:
   return p
 
 
+# The flags that fill generate()'s option groups, named as their fields.
+OPTION_FLAGS = ("temperature", "top_k", "top_p", "draft_sampling", "block_size",
+                "verify_len", "threshold", "strategy", "flex_threshold", "draft_dtype",
+                "cost_cache", "batch_size", "max_len", "attn_impl")
+
+
+def _options(args) -> dict:
+  """generate()'s mode, max_new_tokens, option groups and stop from the flags."""
+  from flexdraft_jax.decoding import options
+  from flexdraft_jax.decoding.sampling import SamplingParams
+  return dict(
+      mode=args.mode, max_new_tokens=args.max_new_tokens, stop=args.stop,
+      sampling=SamplingParams(args.temperature, args.top_k, args.top_p,
+                              args.draft_sampling),
+      speculation=options.SpecOptions(
+          block_size=args.block_size, verify_len=args.verify_len,
+          threshold=args.threshold, strategy=args.strategy,
+          flex_threshold=options.parse_flex_threshold(args.flex_threshold,
+                                                      "--flex-threshold"),
+          draft_dtype=args.draft_dtype, cost_cache=args.cost_cache),
+      runtime=options.RuntimeOptions(batch_size=args.batch_size, max_len=args.max_len,
+                                     attn_impl=args.attn_impl))
+
+
 def _read_prompts_file(path: str) -> list:
   prompts = []
   try:
@@ -128,30 +152,22 @@ def main(argv) -> int:
     prompts += _read_prompts_file(args.prompts_file)
   if not prompts:
     raise FlexDraftError("no prompts: pass --prompt TEXT or --prompts-file F.jsonl")
-  from flexdraft_jax.decoding.chunk import parse_flex_threshold
-  flex_threshold = parse_flex_threshold(args.flex_threshold, "--flex-threshold")
-  kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-            top_k=args.top_k, top_p=args.top_p, mode=args.mode, batch_size=args.batch_size,
-            max_len=args.max_len, threshold=args.threshold, strategy=args.strategy,
-            flex_threshold=flex_threshold, attn_impl=args.attn_impl,
-            block_size=args.block_size, draft_sampling=args.draft_sampling,
-            verify_len=args.verify_len, stop=args.stop, draft_dtype=args.draft_dtype)
   # Every check that needs no model runs before the (slow) model load.
-  from flexdraft_jax.decoding import engine
+  from flexdraft_jax.decoding import options
+  names = OPTION_FLAGS + ("max_new_tokens", "stop")
   try:
-    engine.check_options(**kw)
+    kw = _options(args)
+    options.check_options(**kw)
   except FlexDraftError as e:
-    raise FlexDraftError(_flag_names(str(e), kw)) from None
+    raise FlexDraftError(_flag_names(str(e), names)) from None
   if args.mode != "ar":
     if not args.drafter:
       raise FlexDraftError(f"mode {args.mode!r} needs a drafter (--drafter PATH)")
     from flexdraft_jax.drafter import checkpoint
     checkpoint.read_meta(args.drafter)  # a missing or unreadable drafter: one line now
-  for line in engine.ignored_options(
-      mode=args.mode, temperature=args.temperature, draft_sampling=args.draft_sampling,
-      block_size=args.block_size, verify_len=args.verify_len, threshold=args.threshold,
-      flex_threshold=flex_threshold, drafter=args.drafter, draft_dtype=args.draft_dtype,
-      top_k=args.top_k, top_p=args.top_p, spell=_flag):
+  for line in options.ignored_options(
+      mode=kw["mode"], sampling=kw["sampling"], speculation=kw["speculation"],
+      drafter=args.drafter, spell=_flag):
     print(f"warning: {line}", file=sys.stderr)
   from flexdraft_jax.model import loading
   if not loading.has_tokenizer(args.model):
@@ -166,9 +182,9 @@ def main(argv) -> int:
     warnings.simplefilter("ignore", FlexDraftWarning)
     try:
       result = fd.generate(target, prompts, seed=args.seed, drafter=drafter,
-                           chat=args.chat, cost_cache=args.cost_cache, **kw)
+                           chat=args.chat, **kw)
     except FlexDraftError as e:
-      raise FlexDraftError(_flag_names(str(e), kw, lead=False)) from None
+      raise FlexDraftError(_flag_names(str(e), names, lead=False)) from None
   if args.json:
     print(json.dumps({
         "outputs": [{"prompt": p, "token_ids": t, "text": x}

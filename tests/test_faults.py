@@ -347,13 +347,16 @@ def test_hard_limits_hold_whatever_max_len_says():
   target = tiny.tiny_target()
   n = target.config.max_position_embeddings
   with pytest.raises(FlexDraftError, match=f"exceeds the model's context of {n}"):
-    fd.generate(target, [[3] * (n - 2)], max_new_tokens=4, max_len=2 * n)
+    fd.generate(target, [[3] * (n - 2)], max_new_tokens=4,
+                runtime=fd.RuntimeOptions(max_len=2 * n))
   # a cache exactly as long as the request needs is used as it is
-  out = fd.generate(target, [[3, 4, 5]], max_new_tokens=4, max_len=3 + 4 + 3)
+  out = fd.generate(target, [[3, 4, 5]], max_new_tokens=4,
+                    runtime=fd.RuntimeOptions(max_len=3 + 4 + 3))
   assert len(out.token_ids[0]) == 4
   with pytest.raises(FlexDraftError, match=r"max_len=9 is too short: .* needs 10 "):
-    fd.generate(target, [[3, 4, 5]], max_new_tokens=4, max_len=9)
+    fd.generate(target, [[3, 4, 5]], max_new_tokens=4, runtime=fd.RuntimeOptions(max_len=9))
   # an absurd cache (memory for positions no request reaches) is one line
-  with pytest.raises(FlexDraftError, match=rf"^max_len=100000000 is beyond the model's "
+  with pytest.raises(FlexDraftError, match=rf"^runtime\.max_len=100000000 is beyond the model's "
                      rf"context of {n} \(a cache of \d+ holds every request\)"):
-    fd.generate(target, [[3, 4, 5]], max_new_tokens=4, max_len=10 ** 8)
+    fd.generate(target, [[3, 4, 5]], max_new_tokens=4,
+                runtime=fd.RuntimeOptions(max_len=10 ** 8))

@@ -64,7 +64,7 @@ def test_shipped_drafter_drafts_losslessly(smollm2_target):
   ref = fd.generate(smollm2_target, ids, max_new_tokens=MAX_NEW)
   for mode in ("parallel", "sequential", "flex"):
     out = fd.generate(smollm2_target, ids, max_new_tokens=MAX_NEW, drafter=drafter,
-                      mode=mode, cost_cache=None)
+                      mode=mode, speculation=fd.SpecOptions(cost_cache=None))
     for x, a, b in zip(ids, ref.token_ids, out.token_ids):
       assert _agree(smollm2_target, x, a, b), mode
     if mode != "flex":   # flex may run AR steps at batch 3 on a CPU (its costs say so)

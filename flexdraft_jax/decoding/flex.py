@@ -48,6 +48,7 @@ import warnings
 import jax
 import numpy as np
 
+from flexdraft_jax.decoding.options import Mode
 from flexdraft_jax.drafter.model import narrowed_dtype
 from flexdraft_jax.kernels import cpu_matmul
 
@@ -141,8 +142,8 @@ class FlexPolicy:
     self.buckets, self.time_step = buckets, time_step
     # Parallel mode drafts in the verify forward, before the bonus is known:
     # only for a drafter trained to draft so (DrafterConfig.drafts_blind).
-    self.modes = (("sequential", "parallel") if drafter.config.drafts_blind
-                  else ("sequential",))
+    self.modes = ((Mode.SEQUENTIAL, Mode.PARALLEL) if drafter.config.drafts_blind
+                  else (Mode.SEQUENTIAL,))
     bs = drafter.config.block_size
     self.costs = None              # step costs at the current batch shape
     self.cost_path = cost_cache_path(getattr(opts, "cost_cache", "default"))
@@ -169,7 +170,7 @@ class FlexPolicy:
     self.max_new = None            # each row's token budget (set by the driver)
     self.row_tok = self.row_steps = None  # decayed tokens / steps in speculative chunks
     self._prev_n_out = None
-    self._last_chunk = ("ar", 0)
+    self._last_chunk = (Mode.AR, 0)
     self.timing_spans = []         # (start, end) wall time of step-cost measurements
 
   def observe(self, delta_hist, mode: str, k: int, B: int = 0, steps: int = 0,
@@ -178,7 +179,7 @@ class FlexPolicy:
     a + 1), and the `steps` it ran in `seconds` of wall time; a chunk during
     which JAX compiled something (`compiled`) says nothing about step costs."""
     self._last_chunk = (mode, steps)
-    if mode == "ar":  # τ comes from speculative steps only
+    if mode == Mode.AR:  # τ comes from speculative steps only
       self.ar_hist = self.ar_hist + delta_hist
       self.ar_since_probe += steps
     else:
@@ -200,7 +201,7 @@ class FlexPolicy:
     costs are timed; AR until the next probe is due."""
     if self.opts.flex_threshold != "auto":
       return default
-    if mode == "ar":
+    if mode == Mode.AR:
       if not self.explore_ar:
         return default
       return max(1, min(default, self.probe_at - self.ar_since_probe))
@@ -239,7 +240,7 @@ class FlexPolicy:
     (over RETIME_STEPS steps) and B was not timed again yet (see RETIME)."""
     if B in self.retimed:
       return False
-    for mode in ("ar",) + self.modes:
+    for mode in (Mode.AR,) + self.modes:
       r = self._realized_ratio(B, lambda m, kk: m == mode, RETIME_STEPS)
       if r is not None and not 1.0 / RETIME <= r <= RETIME:
         return True
@@ -255,7 +256,7 @@ class FlexPolicy:
     return sum(r[1] for _, _, r in rows) / predicted
 
   def _cost(self, mode: str, k: int) -> float:
-    return self.costs["ar"] if mode == "ar" else self.costs[mode][str(k)]
+    return self.costs["ar"] if mode == Mode.AR else self.costs[mode][str(k)]
 
   def count_acceptance(self, delta_hist, k: int):
     a = np.arange(len(delta_hist)) - 1
@@ -268,7 +269,7 @@ class FlexPolicy:
     speculation came close (`explore_ar`), until the next probe is due: AR
     steps observe no τ, so the prediction cannot change meanwhile."""
     return (self.opts.flex_threshold == "auto" and self.costs is not None
-            and last_mode == "ar"
+            and last_mode == Mode.AR
             and not (self.explore_ar and self.ar_since_probe >= self.probe_at))
 
   def shape_changed(self):
@@ -283,7 +284,7 @@ class FlexPolicy:
       self.row_tok, self.row_steps = np.zeros(len(n_out)), np.zeros(len(n_out))
       self._prev_n_out = None
     mode, steps = self._last_chunk
-    if self._prev_n_out is not None and mode != "ar" and steps > 0:
+    if self._prev_n_out is not None and mode != Mode.AR and steps > 0:
       self.row_tok *= ACCEPT_DECAY
       self.row_steps *= ACCEPT_DECAY
       self.row_tok[live] += (n_out - self._prev_n_out)[live]
@@ -318,8 +319,8 @@ class FlexPolicy:
     """(mode, k) for the next chunk at batch B (`live` rows live); `k` is the
     verify length the options ask for."""
     if self.opts.flex_threshold != "auto":
-      small = live <= self.opts.flex_threshold and "parallel" in self.modes
-      return ("parallel" if small else "sequential"), k
+      small = live <= self.opts.flex_threshold and Mode.PARALLEL in self.modes
+      return (Mode.PARALLEL if small else Mode.SEQUENTIAL), k
     if self.costs is None:
       self.costs = self.measured[str(B)] = self.measure(state, B, S)
     elif self.timing_was_off(B):
@@ -329,10 +330,10 @@ class FlexPolicy:
     self._see_confidence(state)
     self._see_rows(state)
     rates = self.predicted_rates(state, B)
-    best = max((c for c in rates if c[0] != "ar"), key=rates.get)
-    ar_rate, best_rate = rates[("ar", 0)], rates[best]
+    best = max((c for c in rates if c[0] != Mode.AR), key=rates.get)
+    ar_rate, best_rate = rates[(Mode.AR, 0)], rates[best]
     self.probing = False
-    speculating = self._last_chunk[0] != "ar"
+    speculating = self._last_chunk[0] != Mode.AR
     if best_rate < (STAY_MARGIN if speculating else AR_MARGIN) * ar_rate:
       # Not worth it by the estimate; probe it now and then if it came close.
       self.explore_ar = best_rate >= EXPLORE * AR_MARGIN * ar_rate
@@ -341,22 +342,23 @@ class FlexPolicy:
         self.probing, self.ar_since_probe = True, 0
         self.ar_stretch *= 2
       else:
-        best = ("ar", 0)
+        best = (Mode.AR, 0)
     else:
       self.ar_stretch, self.ar_since_probe = AR_STRETCH, 0
     name = lambda m, kk: f"{m}:{kk}" if kk else m
     self.choices[str(B)] = {
-        "choice": list(best),
+        "choice": [str(best[0]), best[1]],
         "tokens_per_s": {name(m, kk): round(r * live, 2) for (m, kk), r in rates.items()},
         "measured_tokens_per_s": {name(m, kk): round(r[2] / r[1], 2)
                                   for (m, kk), r in self.realized.get(B, {}).items()
                                   if r[1] > 0},
-        "cost_scale": {**{m: round(self.cost_scale(B, m), 3) for m in ("ar",) + self.modes},
+        "cost_scale": {**{str(m): round(self.cost_scale(B, m), 3)
+                          for m in (Mode.AR,) + self.modes},
                        **{name(m, kk): round(self.cost_scale(B, m, kk), 3)
-                          for m, kk in self.realized.get(B, {}) if m != "ar"}},
+                          for m, kk in self.realized.get(B, {}) if m != Mode.AR}},
         "probe": self.probing,
         "next_probe_after_ar_steps": (self.probe_at - self.ar_since_probe
-                                      if self.explore_ar and best[0] == "ar" else None)}
+                                      if self.explore_ar and best[0] == Mode.AR else None)}
     return best
 
   def _probe_at(self, B: int, best) -> int:
@@ -364,7 +366,7 @@ class FlexPolicy:
     or more where PROBE_STEPS steps of `best` that gain nothing over AR would
     cost more than PROBE_BUDGET of them."""
     ratio = (self._cost(*best) * self.cost_scale(B, *best)
-             / (self.costs["ar"] * self.cost_scale(B, "ar")))
+             / (self.costs["ar"] * self.cost_scale(B, Mode.AR)))
     loss = PROBE_STEPS * max(ratio - 1.0, 0.0)  # AR steps
     return max(self.ar_stretch, int(np.ceil(loss / PROBE_BUDGET)))
 
@@ -381,7 +383,7 @@ class FlexPolicy:
     """{(mode, k): predicted tokens per second per row} for AR and every bucket:
     τ(k) over the step cost, corrected by what the chunks at B rows took."""
     tau = self.tau_by_length(state)
-    rates = {("ar", 0): 1.0 / (self.costs["ar"] * self.cost_scale(B, "ar"))}
+    rates = {(Mode.AR, 0): 1.0 / (self.costs["ar"] * self.cost_scale(B, Mode.AR))}
     for mode in self.modes:
       for k in self.buckets:
         rates[(mode, k)] = self.row_tau(state, tau[k]) / (self.costs[mode][str(k)]
@@ -421,7 +423,7 @@ class FlexPolicy:
     return "|".join(map(str, (
         f"v{STEP_COST_VERSION}", self.target.fingerprint, dev.platform, dev.device_kind,
         len(jax.devices()), jax.__version__, B, S, d.block_size, d.num_layers, d.draft_vocab,
-        self.opts.theta > 0, self.buckets, self.modes,
+        self.opts.threshold > 0, self.buckets, tuple(map(str, self.modes)),
         "cpu_matmul" if cpu_matmul.available() else "dot",
         narrowed_dtype(self.drafter.params) or "draft_dtype=target",
         f"rescore{d.rescore_top}" if d.rescores else "no_rescore")))
@@ -436,7 +438,7 @@ class FlexPolicy:
       return table[key]
     start = time.time()
     ends = sorted({self.buckets[0], self.buckets[-1]})
-    plan = [("ar", 0)] + [(m, k) for m in self.modes for k in ends]
+    plan = [(Mode.AR, 0)] + [(m, k) for m in self.modes for k in ends]
     where = self.cost_path or "memory only"
     what = ("again: decoding ran off the timed costs" if again else "once")
     print(f"flex: timing {len(plan)} step variants at batch {B} {what} (kept in "
@@ -449,7 +451,7 @@ class FlexPolicy:
                          disable=not sys.stderr.isatty()):
       for mode, k in plan:
         timed[(mode, k)] = min(timed[(mode, k)], self.time_step(state, mode, k))
-    costs = {"ar": timed[("ar", 0)], "measured_k": ends}
+    costs = {"ar": timed[(Mode.AR, 0)], "measured_k": ends}
     for mode in self.modes:
       xs = np.array(ends, float)
       ys = np.array([timed[(mode, k)] for k in ends])

@@ -32,7 +32,7 @@ import ml_collections
 import numpy as np
 
 from flexdraft_jax import run_control
-from flexdraft_jax.decoding.chunk import parse_flex_threshold
+from flexdraft_jax.decoding.options import Mode, parse_flex_threshold
 from flexdraft_jax.evaluation import benchmarks, cells as cells_lib
 from flexdraft_jax.evaluation.cells import MODES, Cell, Context
 from flexdraft_jax.model.config import FlexDraftError
@@ -183,7 +183,7 @@ NO_PARALLEL = ("skipped: parallel mode drafts before the bonus is known and this
 def runnable(cell: Cell, drafters: dict) -> bool:
   """False for a parallel cell of a drafter that was not trained to draft
   before the bonus is known (DrafterConfig.drafts_blind)."""
-  if cell.mode == "ar" or MODES[cell.mode][0] != "parallel":
+  if MODES[cell.mode][0] != Mode.PARALLEL:
     return True
   return drafters[cell.drafter].config.drafts_blind
 
@@ -199,7 +199,7 @@ def make_cell(dataset, batch_size, mode, temperature, theta, drafter="main") -> 
 
 def check_settings(config) -> None:
   """Range checks of `config.eval` that need no model (run before loading one)."""
-  from flexdraft_jax.decoding import engine
+  from flexdraft_jax.decoding import options
   ec = config.eval
   for t in parse_list(ec.temperatures, float):
     if not math.isfinite(t) or t < 0:
@@ -215,9 +215,10 @@ def check_settings(config) -> None:
     if not isinstance(v, int) or isinstance(v, bool) or v < low:
       raise FlexDraftError(f"--config.eval.{name} must be an integer >= {low}, got {v!r}")
   try:
-    engine.check_options(threshold=ec.theta, strategy=ec.strategy,
-                         flex_threshold=parse_flex_threshold(ec.flex_threshold, "eval.flex_threshold"),
-                         attn_impl=ec.attn_impl)
+    options.SpecOptions(threshold=ec.theta, strategy=ec.strategy,
+                        flex_threshold=parse_flex_threshold(ec.flex_threshold,
+                                                            "eval.flex_threshold"))
+    options.RuntimeOptions(attn_impl=ec.attn_impl)
   except FlexDraftError as e:
     raise FlexDraftError(f"--config.eval: {e}") from None
 

@@ -49,7 +49,8 @@ def benchmark_answers(target, name: str, data_dir: str, *, limit: int,
   prompts = [benchmarks.render(target.tokenizer, benchmarks.messages_for_turn(r, []), kw)
              for r in rows]
   print(f"{name}: answering {len(prompts)} prompts (AR, batch {batch_size})", flush=True)
-  out = fd.generate(target, prompts, max_new_tokens=max_new_tokens, batch_size=batch_size)
+  out = fd.generate(target, prompts, max_new_tokens=max_new_tokens,
+                    runtime=fd.RuntimeOptions(batch_size=batch_size))
   cached[key] = {"prompts": prompts, "answers": [list(map(int, a)) for a in out.token_ids]}
   os.makedirs(os.path.dirname(cache) or ".", exist_ok=True)
   with open(cache + ".tmp", "w") as f:

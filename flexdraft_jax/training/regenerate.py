@@ -122,6 +122,7 @@ def _regenerate(config, regen_dir: str, limit: int, max_minutes: float, run: dic
         flush=True)
 
   from flexdraft_jax.decoding.engine import generate
+  from flexdraft_jax.decoding.options import RuntimeOptions
   shard = data.next_shard_index(regen_dir)
   # Regeneration's rate: every answer token per second of `generate` calls
   # (prefill included: it is part of answering a prompt).
@@ -138,7 +139,7 @@ def _regenerate(config, regen_dir: str, limit: int, max_minutes: float, run: dic
     chunk = todo[start:start + dc.batch_size]
     t0 = time.perf_counter()
     res = generate(target, [ids for _, ids in chunk], max_new_tokens=dc.max_new_tokens,
-                   temperature=0.0, batch_size=len(chunk), max_len=max_len)
+                   runtime=RuntimeOptions(batch_size=len(chunk), max_len=max_len))
     dt = time.perf_counter() - t0
     records = []
     for (p, ids), ans in zip(chunk, res.token_ids):

@@ -94,7 +94,8 @@ def main(argv):
     runs = [("ar", 0)] + [(m, k) for m in FLAGS.modes for k in ks]
     ar_ms = None
     for mode, k in runs:
-      opts = {} if mode == "ar" else dict(drafter=drafter, verify_len=k)
+      opts = ({} if mode == "ar" else
+              dict(drafter=drafter, speculation=fd.SpecOptions(verify_len=k)))
       for _ in range(2):  # the first call compiles
         res = fd.generate(target, ids, max_new_tokens=FLAGS.max_new_tokens, stop=[],
                           mode=mode, **opts)
