@@ -50,7 +50,8 @@ CASES = [
         "error: --batch-size must be an integer >= 1 (unset: all prompts in one batch), "
         "got 0"),
     cli("generate", "`--batch-size x`", ["generate", *GEN, "--batch-size", "x"],
-        "error: argument --batch-size: invalid int value: 'x' (see --help)"),
+        "error: flag --batch-size=x: invalid literal for int() with base 10: 'x' "
+        "(see --help)"),
     cli("generate", "`--temperature nan` (decoded all-zero tokens)",
         ["generate", *GEN, "--temperature", "nan"],
         "error: --temperature must be a finite number >= 0, got nan"),

@@ -50,7 +50,7 @@ def _help(argv: tuple) -> str:
   out = subprocess.run(list(argv) + ["--help"], cwd=REPO, capture_output=True, text=True,
                        timeout=300, env=dict(os.environ, PYTHONPATH=REPO))
   text = out.stdout + out.stderr
-  # absl exits 1 after printing --help, argparse 0
+  # absl exits 1 after printing --help (argparse, in launch scripts, 0)
   assert out.returncode in (0, 1) and FLAG.search(out.stdout), (argv, text[-2000:])
   return text
 
