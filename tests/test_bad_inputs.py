@@ -19,7 +19,7 @@ import pytest
 
 import flexdraft_jax as fd
 from flexdraft_jax.__main__ import COMMANDS
-from flexdraft_jax.training import data
+from flexdraft_jax.training import data, regen_store
 from tests import tiny
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -401,7 +401,7 @@ def test_tiny_test_config_leaves_every_kept_prompt_an_anchor(capsys):
   T, bs = c.train.seq_len, c.drafter.block_size
 
   def rec(prompt_len, answer_len):
-    return data.Record("u", "s", np.ones(prompt_len, np.int32), np.ones(answer_len, np.int32))
+    return regen_store.Record("u", "s", np.ones(prompt_len, np.int32), np.ones(answer_len, np.int32))
 
   # the longest prompt regeneration keeps, with the shortest and longest answer
   kept = [rec(c.data.max_prompt_tokens, n) for n in (1, c.data.max_new_tokens)]

@@ -163,7 +163,7 @@ def test_add_ngram_counts_the_training_split_and_keeps_the_held_out_best(tmp_pat
   import os
   import subprocess
   import sys
-  from flexdraft_jax.training import data
+  from flexdraft_jax.training import data, regen_store
   from tests import tiny
   t = tiny.tiny_target()
   regen = str(tmp_path / "regen")
@@ -183,7 +183,7 @@ def test_add_ngram_counts_the_training_split_and_keeps_the_held_out_best(tmp_pat
   d = fd.load_drafter(out, t)
   chosen = (d.config.ngram_weight, d.config.context_trigram, d.config.context_bigram)
   assert taus[chosen] == max(taus.values()) and d.config.rescore_top == 8
-  train, held = data.split_eval(data.load_records(regen), 4)
+  train, held = data.split_eval(regen_store.load_records(regen), 4)
   want = ngram.build_tables([np.concatenate([x.prompt_ids[-2:], x.answer_ids]) for x in train],
                             np.arange(t.config.vocab_size), t.config.vocab_size)
   for k, v in want.items():

@@ -319,7 +319,7 @@ def candidate_ids(tokenizer, cand: Candidate, chat_kwargs: dict) -> list:
 
 
 def _batch_seed(seed: int, batch: int) -> int:
-  from flexdraft_jax.training.data import stable_int
+  from flexdraft_jax.training.prompt_mix import stable_int
   return stable_int(f"{SOURCE}:{seed}:{batch}") & 0x7FFFFFFF
 
 

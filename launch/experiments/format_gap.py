@@ -34,11 +34,11 @@ def main(argv):
   del argv
   import flexdraft_jax as fd
   from flexdraft_jax.evaluation import sweep
-  from flexdraft_jax.training import data, offline_tau
+  from flexdraft_jax.training import data, offline_tau, regen_store
   config = FLAGS.config
-  data.use_packed(config.data)
+  regen_store.use_packed(config.data)
   target = fd.load_target(config.target)
-  parts = data.format_slices(data.load_records(config.data.regen_dir), FLAGS.source,
+  parts = data.format_slices(regen_store.load_records(config.data.regen_dir), FLAGS.source,
                              config.train.num_eval, FLAGS.limit)
   n = FLAGS.max_new_tokens
   print(offline_tau.table_header("drafter", "slice", "answers"), flush=True)
