@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import flexdraft_jax as fd
-from flexdraft_jax.decoding import chunk, driver, engine, flex
+from flexdraft_jax.decoding import chunk, driver, engine, flex, step_costs
 from flexdraft_jax.drafter import compat
 from flexdraft_jax.drafter.model import init_draft_params
 from flexdraft_jax.model import transformer
@@ -116,7 +116,7 @@ def cost_cache(tmp_path, monkeypatch):
   """flex's on-disk step-cost cache, in a temporary file."""
   path = str(tmp_path / "step_costs.json")
   monkeypatch.setenv("FLEXDRAFT_COST_CACHE", path)
-  monkeypatch.setattr(flex, "_COSTS_IN_MEMORY", {})
+  monkeypatch.setattr(step_costs, "_COSTS_IN_MEMORY", {})
   return path
 
 
@@ -777,9 +777,9 @@ def test_step_cost_key_names_the_cost_model_version_and_the_draft_pass(monkeypat
 def test_step_cost_cache_location_and_failures(target, tmp_path, monkeypatch):
   monkeypatch.delenv("FLEXDRAFT_COST_CACHE", raising=False)
   monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-  assert flex.cost_cache_path() == str(tmp_path / "xdg" / "flexdraft_jax" / "step_costs.json")
-  assert flex.cost_cache_path(None) is None
-  monkeypatch.setattr(flex, "_COSTS_IN_MEMORY", {})
+  assert step_costs.cost_cache_path() == str(tmp_path / "xdg" / "flexdraft_jax" / "step_costs.json")
+  assert step_costs.cost_cache_path(None) is None
+  monkeypatch.setattr(step_costs, "_COSTS_IN_MEMORY", {})
   prompts = prompts_for(2, seed=9)
   drafter = random_drafter(target, block_size=4, noise=0.5)
   ref = fd.generate(target, prompts, max_new_tokens=12)
@@ -809,7 +809,7 @@ def test_step_cost_cache_location_and_failures(target, tmp_path, monkeypatch):
   with pytest.warns(RuntimeWarning, match="cannot write the step-cost cache"):
     out = run(str(ro))
   assert out.token_ids == ref.token_ids and ro.read_text() == before
-  assert "another shape" in flex._COSTS_IN_MEMORY[str(ro)]
+  assert "another shape" in step_costs._COSTS_IN_MEMORY[str(ro)]
   assert sorted(p.name for p in tmp_path.iterdir()) == [
       "adir", "afile", "bad.json", "list.json", "ro.json"]
   # memory only: nothing written anywhere
@@ -826,7 +826,7 @@ def test_compile_time_is_the_union_of_overlapping_spans():
 
 def test_tokens_per_second_leaves_out_compiling_and_flex_step_timing(target, monkeypatch):
   import time
-  monkeypatch.setattr(flex, "_COSTS_IN_MEMORY", {})
+  monkeypatch.setattr(step_costs, "_COSTS_IN_MEMORY", {})
   # Flex times its steps, then runs AR: a choice that cannot hinge on how long
   # the chunks took, so the warm run has nothing left to compile.
   monkeypatch.setattr(flex, "AR_MARGIN", 1e9)

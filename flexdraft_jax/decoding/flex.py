@@ -32,22 +32,18 @@ time. A batch ends with its slowest row, so at B > 1 the τ that counts is
 what a speculative step gains the row with the most steps left (`row_tau`:
 each row's own progress in speculative steps, or its drafts' confidence, and
 its tokens left).
-The measured costs are kept in a JSON file (see `cost_cache_path`) and in memory.
+The measured costs are kept in a JSON file (step_costs.py) and in memory.
 """
 
 from __future__ import annotations
 
-import contextlib
-import json
-import os
 import sys
-import tempfile
 import time
-import warnings
 
 import jax
 import numpy as np
 
+from flexdraft_jax.decoding import step_costs
 from flexdraft_jax.decoding.options import Mode
 from flexdraft_jax.drafter.model import narrowed_dtype
 from flexdraft_jax.kernels import cpu_matmul
@@ -105,31 +101,6 @@ RETIME_STEPS = 2 * MIN_TIMED
 # this factor; beyond it the slowdown is the mode's own (cost_scale).
 MACHINE_DRIFT = 1.5
 
-# Measured step costs of this process: cache path -> {key: costs}.
-_COSTS_IN_MEMORY: dict = {}
-_WARNED: set = set()
-# Cache paths holding something that is not a cost table (another program's
-# file, a folder): never written over; their costs stay in memory.
-_NOT_OURS: set = set()
-
-
-def cost_cache_path(setting="default"):
-  """Where flex keeps measured step costs: a path, or None (memory only).
-
-  `setting` is `generate(cost_cache=...)`: "default" reads
-  `$FLEXDRAFT_COST_CACHE` (a file; empty: memory only), else
-  `$XDG_CACHE_HOME/flexdraft_jax/step_costs.json` (`~/.cache` without it).
-  """
-  if setting != "default":
-    return setting or None
-  env = os.environ.get("FLEXDRAFT_COST_CACHE")
-  if env is not None:
-    return env or None
-  root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"),
-                                                           ".cache")
-  return os.path.join(root, "flexdraft_jax", "step_costs.json")
-
-
 class FlexPolicy:
   """What flex has seen (per-slot acceptance, step costs) and what it chooses.
 
@@ -146,7 +117,7 @@ class FlexPolicy:
                   else (Mode.SEQUENTIAL,))
     bs = drafter.config.block_size
     self.costs = None              # step costs at the current batch shape
-    self.cost_path = cost_cache_path(getattr(opts, "cost_cache", "default"))
+    self.cost_path = step_costs.cost_cache_path(getattr(opts, "cost_cache", "default"))
     self.ar_hist = 0               # the accept histogram's counts from AR steps
     # Draft slot i (1-based): row-steps where it was verified / accepted.
     self.verified = np.zeros(bs)
@@ -433,7 +404,7 @@ class FlexPolicy:
     the shortest and longest verify length (the rest interpolated linearly in
     k). Cached in memory and, where possible, on disk; `again` times them
     anew (the cached ones were off, see RETIME) and replaces them."""
-    key, table = self.cost_key(B, S), _read_costs(self.cost_path)
+    key, table = self.cost_key(B, S), step_costs.read_costs(self.cost_path)
     if key in table and not again:
       return table[key]
     start = time.time()
@@ -457,71 +428,10 @@ class FlexPolicy:
       ys = np.array([timed[(mode, k)] for k in ends])
       costs[mode] = {str(k): float(np.interp(k, xs, ys)) for k in self.buckets}
     table[key] = costs
-    _write_costs(self.cost_path, table)
+    step_costs.write_costs(self.cost_path, table)
     self.timing_spans.append((start, time.time()))  # not decoding: left out of its time
     return costs
 
   def stats(self) -> dict:
     return {"flex_threshold": self.opts.flex_threshold, "step_costs": self.measured,
             "flex_choices": self.choices}
-
-
-def _is_cost_table(x) -> bool:
-  """A JSON value as `_write_costs` writes it: {key: {"ar": seconds, ...}}."""
-  return isinstance(x, dict) and all(
-      isinstance(k, str) and isinstance(v, dict) and "ar" in v for k, v in x.items())
-
-
-def _read_costs(path) -> dict:
-  """The cost table at `path` (memory only for None). A file that is not one
-  (unreadable, not JSON, another shape, a folder) is never written over: it
-  warns once and the costs stay in memory."""
-  table = _COSTS_IN_MEMORY.setdefault(path, {})
-  if path and path not in _NOT_OURS and os.path.lexists(path):
-    try:
-      with open(path) as f:
-        on_disk = json.load(f)
-      if not _is_cost_table(on_disk):
-        raise ValueError("not a table of step costs")
-      table.update(on_disk)
-    except (OSError, ValueError) as e:
-      _NOT_OURS.add(path)
-      _warn_once(path, f"flex: {path} is not a step-cost cache this can read ({e}); "
-                 "leaving it as it is and keeping the costs in memory")
-  return table
-
-
-def _write_costs(path, table: dict):
-  """Keeps `table` in memory and writes it to `path` (atomically, through a
-  temporary file that no failure leaves behind); a file that is not ours or
-  cannot be written warns once and is left as it is."""
-  _COSTS_IN_MEMORY[path] = table
-  if not path or path in _NOT_OURS:
-    return
-  tmp = None
-  try:
-    # A read-only file says "leave me" even to a user who could replace it.
-    if os.path.lexists(path) and not (os.path.isfile(path) and os.access(path, os.W_OK)
-                                      and os.stat(path).st_mode & 0o222):
-      raise PermissionError("not a writable file")
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=".tmp",
-                               dir=folder)
-    with os.fdopen(fd, "w") as f:
-      json.dump(table, f, indent=1)
-    os.replace(tmp, path)
-    tmp = None
-  except OSError as e:
-    _warn_once(path, f"flex: cannot write the step-cost cache {path} ({e}); keeping "
-               "the costs in memory")
-  finally:
-    if tmp is not None:
-      with contextlib.suppress(OSError):
-        os.remove(tmp)
-
-
-def _warn_once(key, message: str):
-  if (key, message.split(" (")[0]) not in _WARNED:
-    _WARNED.add((key, message.split(" (")[0]))
-    warnings.warn(message, RuntimeWarning, stacklevel=3)

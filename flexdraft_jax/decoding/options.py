@@ -83,7 +83,7 @@ class SpecOptions:
   strategy: str = "cumulative_product"
   flex_threshold: object = "auto"   # B*: an int, or "auto" (times the modes)
   draft_dtype: str = "auto"         # see DRAFT_DTYPES; outputs never change
-  cost_cache: object = "default"    # flex's step-cost file (see flex.cost_cache_path)
+  cost_cache: object = "default"    # flex's step-cost file (step_costs.cost_cache_path)
   calibrate: bool = True            # False: drafts without the bonus calibration (ablation)
   group_buckets: tuple = ()         # verify lengths that compile (() -> 2, 3, 4, 8, …)
 
