@@ -53,7 +53,8 @@ def test_shipped_drafter_drafts_losslessly(smollm2_target):
   with drafts accepted in parallel and sequential mode (it was trained to draft
   before the bonus is known, too)."""
   import os
-  from flexdraft_jax.evaluation.sweep import SHIPPED_DRAFTER, resolve_path
+  from flexdraft_jax.evaluation.plan import resolve_path
+  from flexdraft_jax.evaluation.sweep import SHIPPED_DRAFTER
   drafter = fd.load_drafter(resolve_path(SHIPPED_DRAFTER), smollm2_target)
   k = drafter.config.draft_vocab
   assert k and drafter.params["vocab"].shape == (k,)

@@ -352,10 +352,10 @@ def load_drafter(path: str, target) -> tuple:
   """(Drafter, note): the drafter saved at `path` (relative: the cwd, then the
   repository), or for an empty `path` a randomly initialised one (2 draft
   layers, block 4) whose note says so — its τ and speedups mean nothing."""
-  from flexdraft_jax.evaluation import sweep
+  from flexdraft_jax.evaluation import plan, sweep
   if path:
     from flexdraft_jax import api
-    return api.load_drafter(sweep.resolve_path(path), target), ""
+    return api.load_drafter(plan.resolve_path(path), target), ""
   config = sweep.default_config()
   config.drafter = ""
   config.random_drafter.update(dict(allow=True, num_layers=2, block_size=4, calib_rank=16))

@@ -88,11 +88,11 @@ def main(argv):
   import flexdraft_jax as fd
   from flexdraft_jax.drafter import checkpoint, ngram
   from flexdraft_jax.drafter.model import Drafter
-  from flexdraft_jax.evaluation import sweep
+  from flexdraft_jax.evaluation import plan
   from flexdraft_jax.training import data, regen_store
   config = FLAGS.config
   target = fd.load_target(config.target)
-  src = sweep.resolve_path(FLAGS.drafter)
+  src = plan.resolve_path(FLAGS.drafter)
   drafter = fd.load_drafter(src, target)
   print(f"add_ngram: {src} -> {FLAGS.out}", flush=True)
   dcfg = dataclasses.replace(

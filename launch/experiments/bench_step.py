@@ -72,10 +72,10 @@ def matmul_peak() -> float:
 def main(argv):
   del argv
   import flexdraft_jax as fd
-  from flexdraft_jax.evaluation import benchmarks, sweep
+  from flexdraft_jax.evaluation import benchmarks, plan
   from flexdraft_jax.paths import data_root
   target = fd.load_target("smollm2-135m", layout="layers")
-  drafter = fd.load_drafter(sweep.resolve_path(FLAGS.drafter), target)
+  drafter = fd.load_drafter(plan.resolve_path(FLAGS.drafter), target)
   cfg, dcfg = target.config, drafter.config
   kw = benchmarks.chat_kwargs(target)
   sizes = [int(b) for b in FLAGS.batch_sizes]

@@ -33,7 +33,7 @@ FLAGS = flags.FLAGS
 def main(argv):
   del argv
   import flexdraft_jax as fd
-  from flexdraft_jax.evaluation import sweep
+  from flexdraft_jax.evaluation import plan
   from flexdraft_jax.training import data, offline_tau, regen_store
   config = FLAGS.config
   regen_store.use_packed(config.data)
@@ -43,7 +43,7 @@ def main(argv):
   n = FLAGS.max_new_tokens
   print(offline_tau.table_header("drafter", "slice", "answers"), flush=True)
   for path in FLAGS.drafters:
-    drafter = fd.load_drafter(sweep.resolve_path(path), target)
+    drafter = fd.load_drafter(plan.resolve_path(path), target)
     for name, rs in parts.items():
       if not rs:
         print(f"| {path} | {FLAGS.source} {name} | 0 | | | | | | | |", flush=True)
