@@ -244,7 +244,7 @@ def flex_view(stats: dict, batch_size: int, measured: dict) -> dict:
   pred = choice.get("tokens_per_s", {})
   compare = {}
   for name, x in measured.items():
-    key = "ar" if x["mode"] == "ar" else (
+    key = "ar" if x["mode"] == Mode.AR else (
         f"{x['mode']}:{x['verify_len']}" if x["mode"] in FIXED_MODES else None)
     if key is None:
       continue
@@ -266,7 +266,7 @@ def mode_k_steps(mode_log: list, k_log: list) -> list:
   ks = [list(x) for x in k_log]
   total = {}
   for mode, n in mode_log:
-    if mode == "ar":
+    if mode == Mode.AR:
       total[("ar", 0)] = total.get(("ar", 0), 0) + n
       continue
     while n > 0 and ks:
@@ -288,7 +288,7 @@ def markdown(result: dict) -> str:
   """Three tables: throughput (decode-only × AR, end-to-end in parentheses), τ,
   and flex's cost model against what the fixed settings measured."""
   names = [s["name"] for s in result["settings"]]
-  flex = next((s["name"] for s in result["settings"] if s["mode"] == "flex"), None)
+  flex = next((s["name"] for s in result["settings"] if s["mode"] == Mode.FLEX), None)
   others = [n for n in names if n not in ("ar", flex)]
   rows = [r for r in result["results"] if "skipped" not in r]
   skipped = [str(r["batch_size"]) for r in result["results"] if "skipped" in r]
