@@ -60,7 +60,7 @@ FLAGS = (  # (absl DEFINE_*, name as generate() spells it, default, help[, enum 
     ("bool", "chat", False, "apply the chat template"),
     ("enum", "dtype", "float32", "the target's weights", ("float32", "bfloat16")),
     ("string", "drafter", None, "drafter directory (needed by every mode but ar)"),
-    ("enum", "mode", "ar", "the decoding mode", options.MODES),
+    ("enum", "mode", options.Mode.AR.value, "the decoding mode", options.MODES),
     ("float", "threshold", 0.0, "selective-verification θ (0 keeps every group)"),
     ("enum", "strategy", "cumulative_product", "selective verification's confidence",
      STRATEGIES),
@@ -189,10 +189,10 @@ def _main(rest) -> int:
   names = OPTION_FLAGS + ("max_new_tokens", "stop")
   try:
     kw = _options(args)
-    options.check_options(**kw)
+    mode = options.check_options(**kw)
   except FlexDraftError as e:
     raise FlexDraftError(_flag_names(str(e), names)) from None
-  if args.mode != "ar":
+  if mode != options.Mode.AR:
     if not args.drafter:
       raise FlexDraftError(f"mode {args.mode!r} needs a drafter (--drafter PATH)")
     from flexdraft_jax.drafter import checkpoint
@@ -209,7 +209,7 @@ def _main(rest) -> int:
   import flexdraft_jax as fd  # heavy imports after argument checks
 
   target = fd.load_target(args.model, dtype=args.dtype, layout="layers")
-  drafter = fd.load_drafter(args.drafter, target) if args.mode != "ar" else None
+  drafter = fd.load_drafter(args.drafter, target) if mode != options.Mode.AR else None
   with warnings.catch_warnings():  # printed above, once
     warnings.simplefilter("ignore", FlexDraftWarning)
     try:
