@@ -9,6 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from flexdraft_jax.decoding.engine import GenerateResult, generate  # noqa: F401
+from flexdraft_jax.decoding.options import Mode, RuntimeOptions, SpecOptions  # noqa: F401
+from flexdraft_jax.decoding.sampling import SamplingParams  # noqa: F401
 from flexdraft_jax.model import transformer
 from flexdraft_jax.model.config import FlexDraftError
 

@@ -1,23 +1,29 @@
-"""`python -m flexdraft_jax generate`: decode prompts from the command line."""
+"""`python -m flexdraft_jax generate`: decode prompts from the command line.
+
+  python -m flexdraft_jax generate --model smollm2-135m --chat --prompt "What is 7 * 8?" \\
+      --drafter flexdraft_jax/drafters/smollm2_135m_L8 --mode flex --json
+
+Each flag is a generate() option: `--max-new-tokens` is `max_new_tokens`,
+`--verify-len` is `speculation.verify_len`. Switches: `--chat`, `--json`,
+`--draft-sampling`. Bad input prints one `error: …` line before the model loads.
+"""
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
 import sys
 import warnings
 
+from absl import flags
+
+from flexdraft_jax import cli_util
+from flexdraft_jax.decoding import options
+from flexdraft_jax.decoding.verify import STRATEGIES
 from flexdraft_jax.model.config import FlexDraftError, FlexDraftWarning
 
+PROG = "python -m flexdraft_jax generate"
 PROMPT_KEYS = ("prompt", "question", "text", "problem")
-
-
-class _Parser(argparse.ArgumentParser):
-  """argparse with a one-line error (no usage block)."""
-
-  def error(self, message):
-    raise FlexDraftError(f"{message} (see --help)")
 
 
 def _stop_token(text: str):
@@ -32,60 +38,98 @@ def _flag(name: str) -> str:
 
 
 def _flag_names(msg: str, names, lead: bool = True) -> str:
-  """`msg` naming the flags, not the Python arguments: every `name=` and (with
-  `lead`) a leading `name ` become `--flag-name`."""
+  """`msg` naming the flags, not the Python arguments: every `name=` or
+  `group.name=` and (with `lead`) a leading `name ` become `--flag-name`."""
   for name in names:
     if lead and msg.startswith(name + " "):
       msg = _flag(name) + msg[len(name):]
-    msg = re.sub(rf"(?<![\w-]){name}=", _flag(name) + "=", msg)
+    msg = re.sub(rf"(?<![\w.-])(?:\w+\.)?{name}=", _flag(name) + "=", msg)
   return msg
 
 
-def _parser() -> argparse.ArgumentParser:
-  p = _Parser(prog="python -m flexdraft_jax generate",
-                              description="Generate with a target model, "
-                              "optionally with a FlexDraft drafter (lossless).")
-  p.add_argument("--model", default="smollm2-135m",
-                 help="HF safetensors dir, .gguf file or builtin name")
-  p.add_argument("--prompt", action="append", default=[], help="repeatable")
-  p.add_argument("--prompts-file", help="JSONL: strings or objects with "
-                 f"one of {PROMPT_KEYS}")
-  p.add_argument("--max-new-tokens", type=int, default=128)
-  p.add_argument("--temperature", type=float, default=0.0)
-  p.add_argument("--top-k", type=int)
-  p.add_argument("--top-p", type=float)
-  p.add_argument("--seed", type=int, default=0)
-  p.add_argument("--chat", action="store_true", help="apply the chat template")
-  p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
-  p.add_argument("--drafter", help="drafter directory (needed by every mode but ar)")
-  p.add_argument("--mode", default="ar", choices=("ar", "parallel", "sequential", "flex"))
-  p.add_argument("--threshold", type=float, default=0.0,
-                 help="selective-verification θ (0 keeps every group)")
-  p.add_argument("--strategy", default="cumulative_product",
-                 choices=("cumulative_product", "min_confidence"))
-  p.add_argument("--flex-threshold", default="auto", help="B*: an integer or 'auto'")
-  p.add_argument("--draft-sampling", action="store_true",
-                 help="T>0: sample drafts and verify by rejection sampling")
-  p.add_argument("--block-size", type=int, help="decode with a smaller block than trained")
-  p.add_argument("--verify-len", type=int,
-                 help="verify at most K-1 drafts per step (K <= block size; flex picks "
-                      "K itself up to this)")
-  p.add_argument("--draft-dtype", default="auto", choices=("auto", "bfloat16", "target"),
-                 help="the draft pass's matmul weights (auto: bfloat16 where the CPU "
-                      "kernel runs; outputs are the target's either way)")
-  p.add_argument("--cost-cache", default="default",
-                 help="flex's step-cost file ('' keeps the costs in memory only)")
-  p.add_argument("--batch-size", type=int,
-                 help="prompts decoded together (>= 1; default: all in one batch)")
-  p.add_argument("--stop", action="append", type=_stop_token,
-                 help="a stop token: an id, or text that is one token (repeatable; "
-                      "default: the model's EOS)")
-  p.add_argument("--max-len", type=int,
-                 help="KV-cache length (default: longest prompt + max new tokens + blocks)")
-  p.add_argument("--attn-impl", "--attention-impl", dest="attn_impl", default="xla",
-                 choices=("xla", "pallas", "auto"))
-  p.add_argument("--json", action="store_true", help="print one JSON object")
-  return p
+FLAGS = (  # (absl DEFINE_*, name as generate() spells it, default, help[, enum values])
+    ("string", "model", "smollm2-135m", "HF safetensors dir, .gguf file or builtin name"),
+    ("multi_string", "prompt", [], "a prompt (repeatable)"),
+    ("string", "prompts_file", None,
+     f"JSONL: strings or objects with one of {PROMPT_KEYS}"),
+    ("integer", "max_new_tokens", 128, "tokens to generate per prompt"),
+    ("float", "temperature", 0.0, "sampling temperature (0: greedy)"),
+    ("integer", "top_k", None, "sample from the k most likely tokens"),
+    ("float", "top_p", None, "sample from the smallest set with this much mass"),
+    ("integer", "seed", 0, "the sampling seed"),
+    ("bool", "chat", False, "apply the chat template"),
+    ("enum", "dtype", "float32", "the target's weights", ("float32", "bfloat16")),
+    ("string", "drafter", None, "drafter directory (needed by every mode but ar)"),
+    ("enum", "mode", options.Mode.AR.value, "the decoding mode", options.MODES),
+    ("float", "threshold", 0.0, "selective-verification θ (0 keeps every group)"),
+    ("enum", "strategy", "cumulative_product", "selective verification's confidence",
+     STRATEGIES),
+    ("string", "flex_threshold", "auto", "B*: an integer or 'auto'"),
+    ("bool", "draft_sampling", False, "T>0: sample drafts and verify by rejection sampling"),
+    ("integer", "block_size", None, "decode with a smaller block than trained"),
+    ("integer", "verify_len", None,
+     "verify at most K-1 drafts per step (K <= block size; flex picks K itself up to this)"),
+    ("enum", "draft_dtype", "auto", "the draft pass's matmul weights (auto: bfloat16 where "
+     "the CPU kernel runs; outputs are the target's either way)",
+     options.DRAFT_DTYPES),
+    ("string", "cost_cache", "default",
+     "flex's step-cost file ('' keeps the costs in memory only)"),
+    ("integer", "batch_size", None,
+     "prompts decoded together (>= 1; default: all in one batch)"),
+    ("multi_string", "stop", None, "a stop token: an id, or text that is one token "
+     "(repeatable; default: the model's EOS)"),
+    ("integer", "max_len", None,
+     "KV-cache length (default: longest prompt + max new tokens + blocks)"),
+    ("enum", "attn_impl", "xla", "attention kernels", options.ATTN_IMPLS),
+    ("bool", "json", False, "print one JSON object"),
+)
+
+
+def define_flags() -> None:
+  """(Re)defines generate's flags on absl's FLAGS, at their defaults (a
+  process may run several commands)."""
+  names = [_flag(f[1])[2:] for f in FLAGS] + ["attention-impl"]
+  for name in names:
+    if name in flags.FLAGS:
+      delattr(flags.FLAGS, name)
+  for kind, name, default, help_, *values in FLAGS:
+    define = getattr(flags, f"DEFINE_{kind}")
+    if values:
+      define(_flag(name)[2:], default, values[0], help_)
+    else:
+      define(_flag(name)[2:], default, help_)
+  flags.DEFINE_alias("attention-impl", "attn-impl")
+
+
+class _Args:
+  """The parsed flags by generate()'s names: `args.max_new_tokens`."""
+
+  def __getattr__(self, name):
+    return flags.FLAGS[_flag(name)[2:]].value
+
+
+# The flags that fill generate()'s option groups, named as their fields.
+OPTION_FLAGS = ("temperature", "top_k", "top_p", "draft_sampling", "block_size",
+                "verify_len", "threshold", "strategy", "flex_threshold", "draft_dtype",
+                "cost_cache", "batch_size", "max_len", "attn_impl")
+
+
+def _options(args) -> dict:
+  """generate()'s mode, max_new_tokens, option groups and stop from the flags."""
+  from flexdraft_jax.decoding.sampling import SamplingParams
+  stop = None if args.stop is None else [_stop_token(s) for s in args.stop]
+  return dict(
+      mode=args.mode, max_new_tokens=args.max_new_tokens, stop=stop,
+      sampling=SamplingParams(args.temperature, args.top_k, args.top_p,
+                              args.draft_sampling),
+      speculation=options.SpecOptions(
+          block_size=args.block_size, verify_len=args.verify_len,
+          threshold=args.threshold, strategy=args.strategy,
+          flex_threshold=options.parse_flex_threshold(args.flex_threshold,
+                                                      "--flex-threshold"),
+          draft_dtype=args.draft_dtype, cost_cache=args.cost_cache),
+      runtime=options.RuntimeOptions(batch_size=args.batch_size, max_len=args.max_len,
+                                     attn_impl=args.attn_impl))
 
 
 def _read_prompts_file(path: str) -> list:
@@ -122,36 +166,40 @@ def _read_prompts_file(path: str) -> list:
 
 
 def main(argv) -> int:
-  args = _parser().parse_args(argv)
+  """Generates for the flags in `argv` (no program name); bad input raises
+  FlexDraftError."""
+  define_flags()
+  try:
+    rest = flags.FLAGS([PROG] + list(argv))
+  except flags.Error as e:
+    raise FlexDraftError(f"{e} (see --help)") from None
+  return _main(rest)
+
+
+def _main(rest) -> int:
+  if len(rest) > 1:
+    raise FlexDraftError(f"unexpected arguments: {' '.join(rest[1:])} (see --help)")
+  args = _Args()
   prompts = list(args.prompt)
   if args.prompts_file:
     prompts += _read_prompts_file(args.prompts_file)
   if not prompts:
     raise FlexDraftError("no prompts: pass --prompt TEXT or --prompts-file F.jsonl")
-  from flexdraft_jax.decoding.chunk import parse_flex_threshold
-  flex_threshold = parse_flex_threshold(args.flex_threshold, "--flex-threshold")
-  kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-            top_k=args.top_k, top_p=args.top_p, mode=args.mode, batch_size=args.batch_size,
-            max_len=args.max_len, threshold=args.threshold, strategy=args.strategy,
-            flex_threshold=flex_threshold, attn_impl=args.attn_impl,
-            block_size=args.block_size, draft_sampling=args.draft_sampling,
-            verify_len=args.verify_len, stop=args.stop, draft_dtype=args.draft_dtype)
   # Every check that needs no model runs before the (slow) model load.
-  from flexdraft_jax.decoding import engine
+  names = OPTION_FLAGS + ("max_new_tokens", "stop")
   try:
-    engine.check_options(**kw)
+    kw = _options(args)
+    mode = options.check_options(**kw)
   except FlexDraftError as e:
-    raise FlexDraftError(_flag_names(str(e), kw)) from None
-  if args.mode != "ar":
+    raise FlexDraftError(_flag_names(str(e), names)) from None
+  if mode != options.Mode.AR:
     if not args.drafter:
       raise FlexDraftError(f"mode {args.mode!r} needs a drafter (--drafter PATH)")
     from flexdraft_jax.drafter import checkpoint
     checkpoint.read_meta(args.drafter)  # a missing or unreadable drafter: one line now
-  for line in engine.ignored_options(
-      mode=args.mode, temperature=args.temperature, draft_sampling=args.draft_sampling,
-      block_size=args.block_size, verify_len=args.verify_len, threshold=args.threshold,
-      flex_threshold=flex_threshold, drafter=args.drafter, draft_dtype=args.draft_dtype,
-      top_k=args.top_k, top_p=args.top_p, spell=_flag):
+  for line in options.ignored_options(
+      mode=kw["mode"], sampling=kw["sampling"], speculation=kw["speculation"],
+      drafter=args.drafter, spell=_flag):
     print(f"warning: {line}", file=sys.stderr)
   from flexdraft_jax.model import loading
   if not loading.has_tokenizer(args.model):
@@ -161,14 +209,14 @@ def main(argv) -> int:
   import flexdraft_jax as fd  # heavy imports after argument checks
 
   target = fd.load_target(args.model, dtype=args.dtype, layout="layers")
-  drafter = fd.load_drafter(args.drafter, target) if args.mode != "ar" else None
+  drafter = fd.load_drafter(args.drafter, target) if mode != options.Mode.AR else None
   with warnings.catch_warnings():  # printed above, once
     warnings.simplefilter("ignore", FlexDraftWarning)
     try:
       result = fd.generate(target, prompts, seed=args.seed, drafter=drafter,
-                           chat=args.chat, cost_cache=args.cost_cache, **kw)
+                           chat=args.chat, **kw)
     except FlexDraftError as e:
-      raise FlexDraftError(_flag_names(str(e), kw, lead=False)) from None
+      raise FlexDraftError(_flag_names(str(e), names, lead=False)) from None
   if args.json:
     print(json.dumps({
         "outputs": [{"prompt": p, "token_ids": t, "text": x}
@@ -188,8 +236,5 @@ def main(argv) -> int:
 
 def run(argv):
   """Entry from `python -m flexdraft_jax generate`; user errors are one line."""
-  try:
-    sys.exit(main(argv[1:]))
-  except (FlexDraftError, FileNotFoundError) as e:
-    print(f"error: {e}", file=sys.stderr)
-    sys.exit(1)
+  define_flags()
+  cli_util.run_main(_main, argv, doc=__doc__, key_flags=[_flag(f[1])[2:] for f in FLAGS])

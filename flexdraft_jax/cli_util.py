@@ -38,11 +38,21 @@ def run_main(main, argv, doc: str = "", key_flags=("config", "workdir")):
       sys.exit(128 + e.signum)
 
   try:
-    app.run(wrapped, argv=argv)
+    app.run(wrapped, argv=argv, flags_parser=_parse_flags)
   except (AttributeError, KeyError, OSError, SyntaxError, TypeError, ValueError) as e:
     if started:  # raised by the command itself: a bug, keep the traceback
       raise
     print(f"error: {_config_error(argv, e)}", file=sys.stderr)
+    sys.exit(1)
+
+
+def _parse_flags(argv):
+  """absl's flag parsing; a flag it refuses is one line (`error: …`), exit 1."""
+  from absl import flags
+  try:
+    return flags.FLAGS(argv)
+  except flags.Error as e:
+    print(f"error: {e} (see --help)", file=sys.stderr)
     sys.exit(1)
 
 

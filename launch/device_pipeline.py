@@ -133,9 +133,9 @@ def main(argv):
   _log(f"{summary['device']}, jax {jax.__version__}; budget {FLAGS.minutes} min")
 
   if FLAGS.regen_minutes:
-    from flexdraft_jax.training import data, regenerate
+    from flexdraft_jax.training import regen_store, regenerate
     t0 = time.perf_counter()
-    before = len(data.read_shards(config.data.regen_dir)) if os.path.isdir(
+    before = len(regen_store.read_shards(config.data.regen_dir)) if os.path.isdir(
         config.data.regen_dir) else 0
     with config.unlocked():
       config.data.regen_dir = os.path.abspath(config.data.regen_dir)
@@ -145,7 +145,7 @@ def main(argv):
             "tokens_per_s": meta["last_run_tokens_per_s"],
             "batch_size": config.data.batch_size}
     if meta["last_run_new_tokens"]:
-      info["packed"] = data.pack_regen(config.data.regen_dir,
+      info["packed"] = regen_store.pack_regen(config.data.regen_dir,
                                        os.path.join(out, "regen.npz"))
     stage_done("regenerate", t0, **info)
     _log(f"regenerate: {added} records added ({info['tokens_per_s']} tok/s)")

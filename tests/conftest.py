@@ -142,6 +142,20 @@ def smollm2_hf_model(smollm2_target):
   return hf_llama_from_target(smollm2_target)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+  """Drops every compiled program after each test module. XLA maps each loaded
+  CPU executable's code into the process; the whole suite in one process
+  otherwise passes Linux's per-process mapping limit (vm.max_map_count, 65,530)
+  and the next executable to load crashes the process. The persistent compile
+  cache makes the recompiles cheap."""
+  yield
+  import gc
+  import jax
+  jax.clear_caches()
+  gc.collect()
+
+
 def pytest_configure(config):
   """One persistent XLA compile cache for the whole suite (and the subprocesses
   tests start): the same tiny targets are compiled by many tests and by every

@@ -19,7 +19,7 @@ import pytest
 
 import flexdraft_jax as fd
 from flexdraft_jax.__main__ import COMMANDS
-from flexdraft_jax.training import data
+from flexdraft_jax.training import data, regen_store
 from tests import tiny
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -50,7 +50,8 @@ CASES = [
         "error: --batch-size must be an integer >= 1 (unset: all prompts in one batch), "
         "got 0"),
     cli("generate", "`--batch-size x`", ["generate", *GEN, "--batch-size", "x"],
-        "error: argument --batch-size: invalid int value: 'x' (see --help)"),
+        "error: flag --batch-size=x: invalid literal for int() with base 10: 'x' "
+        "(see --help)"),
     cli("generate", "`--temperature nan` (decoded all-zero tokens)",
         ["generate", *GEN, "--temperature", "nan"],
         "error: --temperature must be a finite number >= 0, got nan"),
@@ -105,8 +106,13 @@ CASES = [
         "13 (with 3 spare positions for the decode steps); raise it, or leave it unset",
         model=True),
     # ------------------------------------------------ generate() in Python ----
-    api("`temperature=float(\"nan\")`", dict(temperature=float("nan")),
+    api("`sampling=SamplingParams(temperature=float(\"nan\"))`",
+        dict(sampling=lambda t: fd.SamplingParams(temperature=float("nan"))),
         "temperature must be a finite number >= 0, got nan"),
+    api("`sampling={\"temperature\": 0.7}` (a dict, not the options object)",
+        dict(sampling={"temperature": 0.7}),
+        "sampling must be a SamplingParams, got dict {'temperature': 0.7} (e.g. "
+        "sampling=SamplingParams())"),
     api("bytes prompts (became token ids)", dict(prompts=b"hello"),
         "prompts are bytes: pass text (str) or lists of token ids"),
     api("a bytes prompt in the list", dict(prompts=[b"hello"]),
@@ -121,20 +127,26 @@ CASES = [
         "(e.g. stop=[5])"),
     api("a stop id outside the vocabulary (did nothing)", dict(stop=[99999]),
         "stop id 99999 is outside the vocabulary [0, 264)"),
-    api("`batch_size=0` (meant \"all\")", dict(batch_size=0),
+    api("`runtime=RuntimeOptions(batch_size=0)` (meant \"all\")",
+        dict(runtime=lambda t: fd.RuntimeOptions(batch_size=0)),
         "batch_size must be an integer >= 1 (unset: all prompts in one batch), got 0"),
-    api("`block_size=3` in mode `ar` (FlexDraftWarning)", dict(block_size=3),
-        "block_size=3 has no effect in mode 'ar' (no drafts)", warning=True),
-    api("`draft_dtype=\"float16\"`", dict(draft_dtype="float16"),
+    api("`speculation=SpecOptions(block_size=3)` in mode `ar` (FlexDraftWarning)",
+        dict(speculation=fd.SpecOptions(block_size=3)),
+        "speculation.block_size=3 has no effect in mode 'ar' (no drafts)", warning=True),
+    api("`speculation=SpecOptions(draft_dtype=\"float16\")`",
+        dict(speculation=lambda t: fd.SpecOptions(draft_dtype="float16")),
         "draft_dtype must be one of ('auto', 'bfloat16', 'target'), got 'float16'"),
-    api("`draft_dtype=\"bfloat16\"` in mode `ar` (FlexDraftWarning)",
-        dict(draft_dtype="bfloat16"),
-        "draft_dtype=bfloat16 has no effect in mode 'ar' (no drafts)", warning=True),
-    api("`draft_sampling=True` at T=0 (FlexDraftWarning)", dict(draft_sampling=True),
-        "draft_sampling has no effect at temperature 0 (greedy decoding drafts and keeps "
-        "the argmax)", warning=True),
-    api("`top_k=5` at T=0 (FlexDraftWarning)", dict(top_k=5),
-        "top_k=5 has no effect at temperature 0 (greedy decoding keeps the argmax)",
+    api("`speculation=SpecOptions(draft_dtype=\"bfloat16\")` in mode `ar` (FlexDraftWarning)",
+        dict(speculation=fd.SpecOptions(draft_dtype="bfloat16")),
+        "speculation.draft_dtype=bfloat16 has no effect in mode 'ar' (no drafts)",
+        warning=True),
+    api("`sampling=SamplingParams(draft_sampling=True)` at T=0 (FlexDraftWarning)",
+        dict(sampling=fd.SamplingParams(draft_sampling=True)),
+        "sampling.draft_sampling has no effect at temperature 0 (greedy decoding drafts "
+        "and keeps the argmax)", warning=True),
+    api("`sampling=SamplingParams(top_k=5)` at T=0 (FlexDraftWarning)",
+        dict(sampling=fd.SamplingParams(top_k=5)),
+        "sampling.top_k=5 has no effect at temperature 0 (greedy decoding keeps the argmax)",
         warning=True),
     api("`chat=True` with token-id prompts (FlexDraftWarning; was silent)", dict(chat=True),
         "chat=True has no effect on the 1 prompt(s) given as token ids (the chat template "
@@ -306,16 +318,18 @@ def test_cli_bad_input_prints_one_line(case, bad_files, monkeypatch, capsys):
 
 @pytest.mark.parametrize("case", [c for c in CASES if "call" in c], ids=_id)
 def test_generate_bad_input_is_one_line(case):
-  kw = {k: v(tiny.tiny_target()) if callable(v) else v for k, v in case["call"].items()}
-  target = kw.pop("target", tiny.tiny_target())
-  prompts = kw.pop("prompts", [[3, 4, 5]])
+  def call():  # an options object may refuse its values itself, when made
+    kw = {k: v(tiny.tiny_target()) if callable(v) else v for k, v in case["call"].items()}
+    target = kw.pop("target", tiny.tiny_target())
+    prompts = kw.pop("prompts", [[3, 4, 5]])
+    fd.generate(target, prompts, max_new_tokens=2, **kw)
   if case["warning"]:
     with pytest.warns(fd.FlexDraftWarning) as rec:
-      fd.generate(target, prompts, max_new_tokens=2, **kw)
+      call()
     assert [str(w.message) for w in rec if w.category is fd.FlexDraftWarning] == [case["line"]]
     return
   with pytest.raises(fd.FlexDraftError) as e:
-    fd.generate(target, prompts, max_new_tokens=2, **kw)
+    call()
   assert str(e.value) == case["line"]
 
 
@@ -354,7 +368,8 @@ def test_no_effect_options_used_as_meant_are_silent():
   target = tiny.tiny_target()
   with warnings.catch_warnings():
     warnings.simplefilter("error", fd.FlexDraftWarning)
-    fd.generate(target, [[3, 4, 5]], max_new_tokens=2, temperature=1.0, draft_sampling=True)
+    fd.generate(target, [[3, 4, 5]], max_new_tokens=2,
+                sampling=fd.SamplingParams(temperature=1.0, draft_sampling=True))
 
 
 @pytest.mark.parametrize("command, flags", [
@@ -386,7 +401,7 @@ def test_tiny_test_config_leaves_every_kept_prompt_an_anchor(capsys):
   T, bs = c.train.seq_len, c.drafter.block_size
 
   def rec(prompt_len, answer_len):
-    return data.Record("u", "s", np.ones(prompt_len, np.int32), np.ones(answer_len, np.int32))
+    return regen_store.Record("u", "s", np.ones(prompt_len, np.int32), np.ones(answer_len, np.int32))
 
   # the longest prompt regeneration keeps, with the shortest and longest answer
   kept = [rec(c.data.max_prompt_tokens, n) for n in (1, c.data.max_new_tokens)]

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import flexdraft_jax as fd
-from flexdraft_jax.decoding import chunk, driver, engine, flex
+from flexdraft_jax.decoding import chunk, driver, engine, flex, step_costs
 from flexdraft_jax.drafter import compat
 from flexdraft_jax.drafter.model import init_draft_params
 from flexdraft_jax.model import transformer
@@ -45,8 +45,8 @@ def test_every_mode_equals_ar(target, batch, block_size):
   ref = fd.generate(target, prompts, max_new_tokens=37)
   assert ref.stats["tau"] == 1.0
   for mode, theta in MODES:
-    out = fd.generate(target, prompts, max_new_tokens=37, drafter=drafter,
-                      mode=mode, threshold=theta, flex_threshold=2)
+    out = fd.generate(target, prompts, max_new_tokens=37, drafter=drafter, mode=mode,
+                      speculation=fd.SpecOptions(threshold=theta, flex_threshold=2))
     assert_lossless(target, prompts, ref.token_ids, out.token_ids)
     assert out.stats["new_tokens"] == ref.stats["new_tokens"]
 
@@ -61,8 +61,8 @@ def test_stop_inside_block_and_rows_finishing_apart(target):
   assert ref.token_ids[0][-1] == stop and len(ref.token_ids[0]) <= 10
   drafter = random_drafter(target, block_size=8, noise=0.5)
   for mode, theta in MODES:
-    out = fd.generate(target, prompts, max_new_tokens=40, stop=[stop],
-                      drafter=drafter, mode=mode, threshold=theta)
+    out = fd.generate(target, prompts, max_new_tokens=40, stop=[stop], drafter=drafter,
+                      mode=mode, speculation=fd.SpecOptions(threshold=theta))
     assert_lossless(target, prompts, ref.token_ids, out.token_ids)
 
 
@@ -83,9 +83,12 @@ def test_cache_decoding_equals_full_forward(target):
 
 def test_sampling_is_reproducible_with_a_seed(target):
   prompts = prompts_for(3, seed=5)
-  a = fd.generate(target, prompts, max_new_tokens=15, temperature=1.0, seed=3)
-  b = fd.generate(target, prompts, max_new_tokens=15, temperature=1.0, seed=3)
-  c = fd.generate(target, prompts, max_new_tokens=15, temperature=1.0, seed=4)
+  a = fd.generate(target, prompts, max_new_tokens=15,
+                  sampling=fd.SamplingParams(temperature=1.0), seed=3)
+  b = fd.generate(target, prompts, max_new_tokens=15,
+                  sampling=fd.SamplingParams(temperature=1.0), seed=3)
+  c = fd.generate(target, prompts, max_new_tokens=15,
+                  sampling=fd.SamplingParams(temperature=1.0), seed=4)
   assert a.token_ids == b.token_ids
   assert a.token_ids != c.token_ids
 
@@ -96,14 +99,15 @@ def test_no_recompilation_after_warmup(target):
   kw = dict(max_new_tokens=200, drafter=drafter, stop=[])
   before = chunk.run_chunk._cache_size()
   for mode, theta in MODES:
-    fd.generate(target, prompts, mode=mode, threshold=theta, **kw)
+    fd.generate(target, prompts, mode=mode, speculation=fd.SpecOptions(threshold=theta),
+                **kw)
   warm = chunk.run_chunk._cache_size()
   for mode, theta in MODES:  # other θ, stop tokens, prompts: traced, not static
-    fd.generate(target, prompts_for(2, seed=2), mode=mode, threshold=theta / 2,
-                **dict(kw, stop=[5]))
+    fd.generate(target, prompts_for(2, seed=2), mode=mode,
+                speculation=fd.SpecOptions(threshold=theta / 2), **dict(kw, stop=[5]))
   assert chunk.run_chunk._cache_size() == warm
   # one compiled chunk per (mode, group bucket[, draft refresh]), not per token
-  buckets = len(chunk.group_buckets(4, chunk.SpecOptions()))
+  buckets = len(chunk.group_buckets(4, fd.SpecOptions()))
   assert warm - before <= 2 * (2 + buckets)
 
 
@@ -112,7 +116,7 @@ def cost_cache(tmp_path, monkeypatch):
   """flex's on-disk step-cost cache, in a temporary file."""
   path = str(tmp_path / "step_costs.json")
   monkeypatch.setenv("FLEXDRAFT_COST_CACHE", path)
-  monkeypatch.setattr(flex, "_COSTS_IN_MEMORY", {})
+  monkeypatch.setattr(step_costs, "_COSTS_IN_MEMORY", {})
   return path
 
 
@@ -156,7 +160,7 @@ def test_flex_auto_measures_once_per_shape(target, cost_cache, monkeypatch):
   for _ in range(2):
     out = fd.generate(target, prompts, max_new_tokens=24, drafter=drafter, mode="flex")
     assert_lossless(target, prompts, ref.token_ids, out.token_ids)
-  buckets = chunk.group_buckets(4, chunk.SpecOptions())
+  buckets = chunk.group_buckets(4, fd.SpecOptions())
   # AR, and each mode at the shortest and longest verify length, round-robin
   # TIMING_ROUNDS times in the first run only
   plan = ["ar", "sequential", "sequential", "parallel", "parallel"]
@@ -175,26 +179,27 @@ def test_flex_auto_measures_once_per_shape(target, cost_cache, monkeypatch):
 
 
 def test_group_buckets():
-  assert chunk.group_buckets(16, chunk.SpecOptions()) == (2, 3, 4, 8, 16)
-  assert chunk.group_buckets(8, chunk.SpecOptions()) == (2, 3, 4, 8)
-  assert chunk.group_buckets(3, chunk.SpecOptions()) == (2, 3)
-  assert chunk.group_buckets(4, chunk.SpecOptions()) == (2, 3, 4)
+  assert chunk.group_buckets(16, fd.SpecOptions()) == (2, 3, 4, 8, 16)
+  assert chunk.group_buckets(8, fd.SpecOptions()) == (2, 3, 4, 8)
+  assert chunk.group_buckets(3, fd.SpecOptions()) == (2, 3)
+  assert chunk.group_buckets(4, fd.SpecOptions()) == (2, 3, 4)
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(mode="parallel", threshold=1.5), "θ must be in [0, 1]"),
-    (dict(mode="parallel", threshold=-0.1), "θ must be in [0, 1]"),
-    (dict(mode="parallel", strategy="nope"), "strategy must be one of"),
-    (dict(mode="beam"), "mode must be one of"),
-    (dict(mode="flex", flex_threshold="often"), "flex threshold"),
-    (dict(max_len=4), "longer than the cache"),
-    (dict(mode="parallel", block_size=32), "block size 32"),
-    (dict(mode="sequential", draft_dtype="float16"), "draft_dtype must be one of"),
+@pytest.mark.parametrize("mode, spec, runtime, message", [
+    ("parallel", dict(threshold=1.5), {}, "θ must be in [0, 1]"),
+    ("parallel", dict(threshold=-0.1), {}, "θ must be in [0, 1]"),
+    ("parallel", dict(strategy="nope"), {}, "strategy must be one of"),
+    ("beam", {}, {}, "mode must be one of"),
+    ("flex", dict(flex_threshold="often"), {}, "flex threshold"),
+    ("ar", {}, dict(max_len=4), "longer than the cache"),
+    ("parallel", dict(block_size=32), {}, "block size 32"),
+    ("sequential", dict(draft_dtype="float16"), {}, "draft_dtype must be one of"),
 ])
-def test_bad_input_messages(target, kwargs, message):
+def test_bad_input_messages(target, mode, spec, runtime, message):
   drafter = random_drafter(target, block_size=8)
   with pytest.raises(fd.FlexDraftError, match=message.replace("[", r"\[").replace("]", r"\]")):
-    fd.generate(target, [[3, 4, 5, 6, 7, 8]], max_new_tokens=4, drafter=drafter, **kwargs)
+    fd.generate(target, [[3, 4, 5, 6, 7, 8]], max_new_tokens=4, drafter=drafter, mode=mode,
+                speculation=fd.SpecOptions(**spec), runtime=fd.RuntimeOptions(**runtime))
 
 
 def test_drafter_for_another_target_is_refused(target):
@@ -311,11 +316,11 @@ def test_every_verify_length_equals_ar(target, mode):
   prompts = prompts_for(3, seed=8)
   drafter = random_drafter(target, block_size=8, noise=0.5)
   ref = fd.generate(target, prompts, max_new_tokens=30)
-  buckets = chunk.group_buckets(8, chunk.SpecOptions())
+  buckets = chunk.group_buckets(8, fd.SpecOptions())
   assert buckets == (2, 3, 4, 8)
   for k in buckets:
     out = fd.generate(target, prompts, max_new_tokens=30, drafter=drafter, mode=mode,
-                      verify_len=k, flex_threshold=1)
+                      speculation=fd.SpecOptions(verify_len=k, flex_threshold=1))
     assert_lossless(target, prompts, ref.token_ids, out.token_ids)
     # every step verified a block of k positions: at most k tokens per step
     assert {g for g, _ in out.stats["group_counts"]} == {k}
@@ -333,8 +338,9 @@ def test_bf16_draft_pass_is_lossless_and_drafts_nearly_alike(target, mode):
   out = {}
   for dtype in ("bfloat16", "target"):
     out[dtype] = fd.generate(tgt, prompts, max_new_tokens=24, stop=[], drafter=drafter,
-                             mode=mode, draft_dtype=dtype,
-                             **(dict(flex_threshold=1) if mode == "flex" else {}))
+                             mode=mode, speculation=fd.SpecOptions(
+                                 draft_dtype=dtype,
+                                 flex_threshold=1 if mode == "flex" else "auto"))
     assert_lossless(tgt, prompts, ref.token_ids, out[dtype].token_ids)
     assert out[dtype].stats["draft_dtype"] == dtype
   assert out["target"].stats["tau"] > 1.2  # drafts that get accepted ...
@@ -395,18 +401,19 @@ def test_short_verify_length_keeps_accepting_the_same_drafts():
   full = fd.generate(target, prompts, max_new_tokens=24, stop=[], drafter=drafter,
                      mode="sequential")
   short = fd.generate(target, prompts, max_new_tokens=24, stop=[], drafter=drafter,
-                      mode="sequential", verify_len=2)
+                      mode="sequential", speculation=fd.SpecOptions(verify_len=2))
   assert short.token_ids == full.token_ids == ref.token_ids
   assert 1.05 < short.stats["tau"] <= full.stats["tau"]
   with pytest.raises(fd.FlexDraftError, match="exceeds the block size"):
-    fd.generate(target, prompts, drafter=drafter, mode="sequential", verify_len=5)
+    fd.generate(target, prompts, drafter=drafter, mode="sequential",
+                speculation=fd.SpecOptions(verify_len=5))
 
 
 def _driver(bs=8, verify_len=None):
   drafter = types.SimpleNamespace(config=types.SimpleNamespace(block_size=bs, bonus_input=False,
                                                                drafts_blind=True,
                                                                rescores=False))
-  opts = chunk.SpecOptions(verify_len=verify_len)
+  opts = fd.SpecOptions(verify_len=verify_len)
   _, buckets = chunk.verify_buckets(bs, opts)
   return flex.FlexPolicy(None, drafter, opts, buckets, time_step=None)
 
@@ -631,7 +638,7 @@ def test_flex_times_the_steps_again_where_decoding_ran_far_off_them():
   drafter = types.SimpleNamespace(
       config=types.SimpleNamespace(block_size=8, bonus_input=True, drafts_blind=False,
                                    num_layers=2, draft_vocab=0, rescores=False), params={})
-  opts = chunk.SpecOptions(cost_cache=None)
+  opts = fd.SpecOptions(cost_cache=None)
   _, buckets = chunk.verify_buckets(8, opts)
   d = flex.FlexPolicy(types.SimpleNamespace(fingerprint="retime-test"), drafter, opts,
                       buckets, time_step)
@@ -733,7 +740,8 @@ def test_flex_falls_back_to_ar_when_speculation_is_slower_than_timed(
   drafter = random_drafter(target, block_size=4, noise=0.5)
   ref = fd.generate(target, prompts, max_new_tokens=80)
   # one bucket; a cache length no other test uses, so the first chunk compiles
-  kw = dict(max_new_tokens=80, drafter=drafter, mode="flex", verify_len=2, max_len=448)
+  kw = dict(max_new_tokens=80, drafter=drafter, mode="flex",
+            speculation=fd.SpecOptions(verify_len=2), runtime=fd.RuntimeOptions(max_len=448))
   for probe_chunks in (3, 2):
     out = fd.generate(target, prompts, **kw)
     assert_lossless(target, prompts, ref.token_ids, out.token_ids)
@@ -769,14 +777,14 @@ def test_step_cost_key_names_the_cost_model_version_and_the_draft_pass(monkeypat
 def test_step_cost_cache_location_and_failures(target, tmp_path, monkeypatch):
   monkeypatch.delenv("FLEXDRAFT_COST_CACHE", raising=False)
   monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-  assert flex.cost_cache_path() == str(tmp_path / "xdg" / "flexdraft_jax" / "step_costs.json")
-  assert flex.cost_cache_path(None) is None
-  monkeypatch.setattr(flex, "_COSTS_IN_MEMORY", {})
+  assert step_costs.cost_cache_path() == str(tmp_path / "xdg" / "flexdraft_jax" / "step_costs.json")
+  assert step_costs.cost_cache_path(None) is None
+  monkeypatch.setattr(step_costs, "_COSTS_IN_MEMORY", {})
   prompts = prompts_for(2, seed=9)
   drafter = random_drafter(target, block_size=4, noise=0.5)
   ref = fd.generate(target, prompts, max_new_tokens=12)
   run = lambda cache: fd.generate(target, prompts, max_new_tokens=12, drafter=drafter,
-                                  mode="flex", cost_cache=cache)
+                                  mode="flex", speculation=fd.SpecOptions(cost_cache=cache))
   # unwritable (its parent is a file): warns, keeps the costs in memory, output intact
   (tmp_path / "afile").write_text("x")
   with pytest.warns(RuntimeWarning, match="cannot write the step-cost cache"):
@@ -801,7 +809,7 @@ def test_step_cost_cache_location_and_failures(target, tmp_path, monkeypatch):
   with pytest.warns(RuntimeWarning, match="cannot write the step-cost cache"):
     out = run(str(ro))
   assert out.token_ids == ref.token_ids and ro.read_text() == before
-  assert "another shape" in flex._COSTS_IN_MEMORY[str(ro)]
+  assert "another shape" in step_costs._COSTS_IN_MEMORY[str(ro)]
   assert sorted(p.name for p in tmp_path.iterdir()) == [
       "adir", "afile", "bad.json", "list.json", "ro.json"]
   # memory only: nothing written anywhere
@@ -818,14 +826,15 @@ def test_compile_time_is_the_union_of_overlapping_spans():
 
 def test_tokens_per_second_leaves_out_compiling_and_flex_step_timing(target, monkeypatch):
   import time
-  monkeypatch.setattr(flex, "_COSTS_IN_MEMORY", {})
+  monkeypatch.setattr(step_costs, "_COSTS_IN_MEMORY", {})
   # Flex times its steps, then runs AR: a choice that cannot hinge on how long
   # the chunks took, so the warm run has nothing left to compile.
   monkeypatch.setattr(flex, "AR_MARGIN", 1e9)
   drafter = random_drafter(target, block_size=4, noise=0.5)
   prompts = prompts_for(2, seed=11)
   # a cache length no other test uses: the first call compiles its steps
-  kw = dict(max_new_tokens=40, drafter=drafter, mode="flex", cost_cache=None, max_len=704)
+  kw = dict(max_new_tokens=40, drafter=drafter, mode="flex",
+            speculation=fd.SpecOptions(cost_cache=None), runtime=fd.RuntimeOptions(max_len=704))
   t = time.perf_counter()
   cold = fd.generate(target, prompts, **kw).stats
   wall = time.perf_counter() - t
@@ -863,11 +872,11 @@ def test_a_drafter_reading_the_bonus_decodes_losslessly_without_parallel(
   real = driver.Driver._time
   monkeypatch.setattr(driver.Driver, "_time",
                       lambda self, *a, **kw: timed.append(a[1]) or real(self, *a, **kw))
-  runs = [dict(mode="sequential"), dict(mode="sequential", threshold=0.3),
-          dict(mode="sequential", verify_len=2), dict(mode="flex"),
-          dict(mode="flex", flex_threshold=8)]
-  for kw in runs:
-    out = fd.generate(target, prompts, max_new_tokens=30, drafter=drafter, **kw)
+  runs = [("sequential", {}), ("sequential", dict(threshold=0.3)),
+          ("sequential", dict(verify_len=2)), ("flex", {}), ("flex", dict(flex_threshold=8))]
+  for mode, spec in runs:
+    out = fd.generate(target, prompts, max_new_tokens=30, drafter=drafter, mode=mode,
+                      speculation=fd.SpecOptions(**spec))
     assert_lossless(target, prompts, ref.token_ids, out.token_ids)
     assert "parallel" not in {m for m, _ in out.stats["mode_steps"]}
   assert "parallel" not in timed and "sequential" in timed   # flex never considers it
@@ -911,9 +920,10 @@ def test_a_drafter_trained_blind_too_runs_every_mode(target, cost_cache, monkeyp
                       lambda self, *a, **kw: timed.append(a[1]) or real(self, *a, **kw))
   with warnings.catch_warnings():
     warnings.simplefilter("error", fd.FlexDraftWarning)
-    for kw in (dict(mode="parallel"), dict(mode="parallel", threshold=0.2),
-               dict(mode="sequential"), dict(mode="flex")):
-      out = fd.generate(target, prompts, max_new_tokens=30, drafter=drafter, **kw)
+    for mode, theta in (("parallel", 0.0), ("parallel", 0.2), ("sequential", 0.0),
+                        ("flex", 0.0)):
+      out = fd.generate(target, prompts, max_new_tokens=30, drafter=drafter, mode=mode,
+                        speculation=fd.SpecOptions(threshold=theta))
       assert_lossless(target, prompts, ref.token_ids, out.token_ids)
   assert "parallel" in timed and "sequential" in timed
   # the parallel step's drafting groups read no bonus: the same as bonus_in = 0
@@ -943,8 +953,8 @@ def test_tau_counts_emitted_tokens_only_overall_and_per_mode(target, cost_cache)
     over += s["committed_tokens"] > s["decode_tokens"]
     assert s["mode_tau"] == {"sequential": pytest.approx(s["tau"])}
   assert over                            # some step committed past the end
-  out = fd.generate(tgt, prompts, max_new_tokens=24, stop=[], drafter=drafter,
-                    mode="flex", flex_threshold=2)
+  out = fd.generate(tgt, prompts, max_new_tokens=24, stop=[], drafter=drafter, mode="flex",
+                    speculation=fd.SpecOptions(flex_threshold=2))
   emitted = out.stats["mode_emitted"]
   assert sum(t for _, t in emitted.values()) == out.stats["decode_tokens"]
   assert sum(r for r, _ in emitted.values()) == out.stats["verified_row_steps"]

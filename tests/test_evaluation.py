@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from flexdraft_jax import api
-from flexdraft_jax.evaluation import benchmarks, cells, report, sweep
+from flexdraft_jax.evaluation import benchmarks, cells, plan, report, sweep
 from flexdraft_jax.evaluation.benchmarks import BenchmarkPrompt
 from flexdraft_jax.model.config import FlexDraftError
 from flexdraft_jax.paths import data_root
@@ -167,12 +167,12 @@ def test_plan_and_settings_errors():
   config = sweep.default_config()
   config.ablation.enabled = False
   config.eval.update(datasets="gsm8k,mt-bench", batch_sizes="1,4", modes="parallel,flex")
-  keys = [c.key for c in sweep.plan_cells(config, [])]
+  keys = [c.key for c in plan.plan_cells(config, [])]
   assert len(keys) == 2 * 2 * 3 and keys[0].startswith("gsm8k|bs=1|ar|")  # ar added, first
   assert all(k.startswith("mt_bench") for k in keys[6:])
   config.eval.modes = "ar,turbo"
   with pytest.raises(FlexDraftError, match="unknown mode 'turbo'"):
-    sweep.plan_cells(config, [])
+    plan.plan_cells(config, [])
   meta = {"target_fingerprint": "a", "drafter_id": "d", "settings": {"max_new_tokens": 8},
           "prompts": {"gsm8k": "p"}, "ablation_drafters": {}}
   assert sweep._check_meta({}, meta, "W") == meta
@@ -185,12 +185,12 @@ def test_parallel_cells_are_not_run_for_a_drafter_trained_only_to_read_the_bonus
   from flexdraft_jax.drafter.model import DrafterConfig
   config = sweep.default_config()
   config.eval.update(datasets="gsm8k", batch_sizes="1", modes="parallel,parallel_sel,sequential,flex")
-  plan = sweep.plan_cells(config, [])
+  planned = plan.plan_cells(config, [])
   as_ = lambda **kw: {"main": types.SimpleNamespace(config=DrafterConfig(**kw))}
   reads = as_(bonus_input=True)
-  assert [c.mode for c in plan if sweep.runnable(c, reads)] == ["ar", "sequential", "flex"]
+  assert [c.mode for c in planned if plan.runnable(c, reads)] == ["ar", "sequential", "flex"]
   for drafters in (as_(bonus_input=False), as_(bonus_input=True, bonus_dropout=0.5)):
-    assert all(sweep.runnable(c, drafters) for c in plan)
+    assert all(plan.runnable(c, drafters) for c in planned)
 
 
 def test_report_speedup_is_tokens_per_second_ratio(tmp_path):

@@ -23,7 +23,7 @@ import pytest
 import flexdraft_jax as fd
 from flexdraft_jax import run_control
 from flexdraft_jax.model.config import FlexDraftError
-from flexdraft_jax.training import data, regenerate, train
+from flexdraft_jax.training import regen_store, regenerate, train
 from tests import data_fixture, tiny
 
 REPO = tiny.REPO
@@ -216,35 +216,35 @@ def test_regenerate_interrupted_keeps_its_shards_and_resumes(tmp_path, monkeypat
           f"--config.data.regen_dir={regen_dir}", "--config.data.max_new_tokens=3",
           "--config.data.batch_size=2", "--config.data.mix.gsm8k=4",
           "--config.data.mix.mbpp=2", "--config.data.mix.arena_hard_v01=0"]
-  write = data.write_shard
+  write = regen_store.write_shard
 
   def write_then_interrupt(*a, **k):
     out = write(*a, **k)
     os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C while the shard is written
     return out
 
-  monkeypatch.setattr(data, "write_shard", write_then_interrupt)
+  monkeypatch.setattr(regen_store, "write_shard", write_then_interrupt)
   with pytest.raises(SystemExit) as e:
     regenerate.run(argv)
   monkeypatch.undo()
   assert e.value.code == 128 + signal.SIGINT
   err = capsys.readouterr().err
   assert "Traceback" not in err
-  shards = data.shard_dir(regen_dir)
+  shards = regen_store.shard_dir(regen_dir)
   assert err.strip().splitlines()[-1] == (
       f"stopped by SIGINT: regenerate after 2 new answers; 1 shards kept in {shards} "
       "(the dataset is built when a run ends); to resume, run: python -m flexdraft_jax "
       f"regenerate {' '.join(argv[1:])}")
   assert os.listdir(shards) == ["shard-00000.jsonl"]
   assert not os.path.exists(os.path.join(regen_dir, run_control.LOCK_FILE))
-  first = data.read_shards(regen_dir)
+  first = regen_store.read_shards(regen_dir)
   with pytest.raises(SystemExit) as e:
     regenerate.run(argv)
   assert e.value.code in (0, None)
   assert "regenerate: 2 answered, 5 to answer" in capsys.readouterr().out
-  uids = [r.uid for r in data.load_records(regen_dir)]
+  uids = [r.uid for r in regen_store.load_records(regen_dir)]
   assert len(uids) == len(set(uids)) == 7  # every prompt once
-  assert data.read_shards(regen_dir)[:2] == first  # kept, not answered again
+  assert regen_store.read_shards(regen_dir)[:2] == first  # kept, not answered again
 
 
 # -------------------------------------------------------------- eval ----
@@ -347,13 +347,16 @@ def test_hard_limits_hold_whatever_max_len_says():
   target = tiny.tiny_target()
   n = target.config.max_position_embeddings
   with pytest.raises(FlexDraftError, match=f"exceeds the model's context of {n}"):
-    fd.generate(target, [[3] * (n - 2)], max_new_tokens=4, max_len=2 * n)
+    fd.generate(target, [[3] * (n - 2)], max_new_tokens=4,
+                runtime=fd.RuntimeOptions(max_len=2 * n))
   # a cache exactly as long as the request needs is used as it is
-  out = fd.generate(target, [[3, 4, 5]], max_new_tokens=4, max_len=3 + 4 + 3)
+  out = fd.generate(target, [[3, 4, 5]], max_new_tokens=4,
+                    runtime=fd.RuntimeOptions(max_len=3 + 4 + 3))
   assert len(out.token_ids[0]) == 4
   with pytest.raises(FlexDraftError, match=r"max_len=9 is too short: .* needs 10 "):
-    fd.generate(target, [[3, 4, 5]], max_new_tokens=4, max_len=9)
+    fd.generate(target, [[3, 4, 5]], max_new_tokens=4, runtime=fd.RuntimeOptions(max_len=9))
   # an absurd cache (memory for positions no request reaches) is one line
-  with pytest.raises(FlexDraftError, match=rf"^max_len=100000000 is beyond the model's "
+  with pytest.raises(FlexDraftError, match=rf"^runtime\.max_len=100000000 is beyond the model's "
                      rf"context of {n} \(a cache of \d+ holds every request\)"):
-    fd.generate(target, [[3, 4, 5]], max_new_tokens=4, max_len=10 ** 8)
+    fd.generate(target, [[3, 4, 5]], max_new_tokens=4,
+                runtime=fd.RuntimeOptions(max_len=10 ** 8))

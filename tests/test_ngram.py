@@ -87,14 +87,15 @@ def test_rescored_drafting_is_what_training_scores_with_the_true_tokens(target):
              for b in range(3) for s in range(4))
 
 
-@pytest.mark.parametrize("kw", [dict(mode="sequential"), dict(mode="parallel"),
-                                dict(mode="sequential", threshold=0.3),
-                                dict(mode="sequential", verify_len=2),
-                                dict(mode="flex", flex_threshold=1)])
-def test_a_drafter_with_the_prior_is_lossless(target, kw):
+@pytest.mark.parametrize("mode, spec", [("sequential", {}), ("parallel", {}),
+                                        ("sequential", dict(threshold=0.3)),
+                                        ("sequential", dict(verify_len=2)),
+                                        ("flex", dict(flex_threshold=1))])
+def test_a_drafter_with_the_prior_is_lossless(target, mode, spec):
   d = ngram_drafter(target)
   prompts = _prompts()
   ref = fd.generate(target, prompts, max_new_tokens=24, stop=[])
+  kw = dict(mode=mode, speculation=fd.SpecOptions(**spec))
   out = fd.generate(target, prompts, max_new_tokens=24, stop=[], drafter=d, **kw)
   assert_lossless(target, prompts, ref.token_ids, out.token_ids)
   off = d._replace(config=dataclasses.replace(d.config, ngram_weight=0.0, context_trigram=0.0,
@@ -162,7 +163,7 @@ def test_add_ngram_counts_the_training_split_and_keeps_the_held_out_best(tmp_pat
   import os
   import subprocess
   import sys
-  from flexdraft_jax.training import data
+  from flexdraft_jax.training import data, regen_store
   from tests import tiny
   t = tiny.tiny_target()
   regen = str(tmp_path / "regen")
@@ -182,7 +183,7 @@ def test_add_ngram_counts_the_training_split_and_keeps_the_held_out_best(tmp_pat
   d = fd.load_drafter(out, t)
   chosen = (d.config.ngram_weight, d.config.context_trigram, d.config.context_bigram)
   assert taus[chosen] == max(taus.values()) and d.config.rescore_top == 8
-  train, held = data.split_eval(data.load_records(regen), 4)
+  train, held = data.split_eval(regen_store.load_records(regen), 4)
   want = ngram.build_tables([np.concatenate([x.prompt_ids[-2:], x.answer_ids]) for x in train],
                             np.arange(t.config.vocab_size), t.config.vocab_size)
   for k, v in want.items():

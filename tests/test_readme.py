@@ -50,7 +50,7 @@ def _help(argv: tuple) -> str:
   out = subprocess.run(list(argv) + ["--help"], cwd=REPO, capture_output=True, text=True,
                        timeout=300, env=dict(os.environ, PYTHONPATH=REPO))
   text = out.stdout + out.stderr
-  # absl exits 1 after printing --help, argparse 0
+  # absl exits 1 after printing --help (argparse, in launch scripts, 0)
   assert out.returncode in (0, 1) and FLAG.search(out.stdout), (argv, text[-2000:])
   return text
 
@@ -116,21 +116,29 @@ def test_every_command_flag_is_in_its_help():
 
 
 def test_generate_options_table_matches_the_cli():
-  """Each option in the table is a `generate` keyword and a CLI flag."""
+  """Each option in the table is a `generate` keyword, or a field of the option
+  group its row names (`sampling: …`), and a CLI flag."""
+  import dataclasses
   import inspect
 
   from flexdraft_jax.decoding.engine import generate
+  from flexdraft_jax.decoding.options import GROUPS
   text = _text()
   table = text[text.index("| option | default | meaning |"):]
   table = table[:table.index("\n\n")]
-  options = [o for row in table.splitlines()[2:]
-             for o in re.findall(r"`([a-z_]+)`", row.split("|")[1])]
-  assert len(options) >= 15, options
-  keywords = inspect.signature(generate).parameters
+  groups = {name: {f.name for f in dataclasses.fields(cls)} for name, cls in GROUPS}
+  keywords = set(inspect.signature(generate).parameters)
   flags = set(FLAG.findall(_help((sys.executable, "-m", "flexdraft_jax", "generate"))))
-  for option in options:
-    assert option in keywords, option
-    assert "--" + option.replace("_", "-") in flags, option
+  n = 0
+  for row in table.splitlines()[2:]:
+    cell = row.split("|")[1].strip()
+    group = cell.split(":")[0] if re.match(r"[a-z]+: ", cell) else None
+    for option in re.findall(r"`([a-z_]+)`", cell):
+      n += 1
+      assert option in (groups[group] if group else keywords), (group, option)
+      assert "--" + option.replace("_", "-") in flags, option
+  assert n >= 15, n
+  assert {name for name, _ in GROUPS} <= keywords
 
 
 def test_prose_flags_are_known():

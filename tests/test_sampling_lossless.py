@@ -63,9 +63,11 @@ def _kept(r):
   return r.stats["committed_tokens"] / r.stats["verified_row_steps"]
 
 
-def _sample(target, drafter, mode, **kw):
-  r = fd.generate(target, [PROMPT] * N, max_new_tokens=3, temperature=TEMP,
-                  drafter=drafter, mode=mode, stop=[], seed=11, **kw)
+def _sample(target, drafter, mode, draft_sampling=False, **spec):
+  r = fd.generate(target, [PROMPT] * N, max_new_tokens=3,
+                  sampling=fd.SamplingParams(temperature=TEMP, draft_sampling=draft_sampling),
+                  drafter=drafter, mode=mode, stop=[], seed=11,
+                  speculation=fd.SpecOptions(**spec))
   assert all(len(t) == 3 for t in r.token_ids)
   return r
 

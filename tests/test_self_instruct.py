@@ -9,7 +9,7 @@ import os
 import pytest
 
 from flexdraft_jax.model.config import FlexDraftError
-from flexdraft_jax.training import data, regenerate, self_instruct as si
+from flexdraft_jax.training import prompt_mix, regen_store, regenerate, self_instruct as si
 from tests import tiny
 
 GEN = {"seed": 0, "temperature": 0.9, "top_p": 0.95, "max_new_tokens": 8, "batch_size": 4}
@@ -136,7 +136,7 @@ def test_regenerate_answers_self_instruct_prompts(target, tmp_path, monkeypatch)
   config.data.self_instruct.mt_bench = str(tmp_path / "absent.jsonl")
   with pytest.raises(FlexDraftError, match="make them first with python -m flexdraft_jax "
                      "self-instruct"):
-    data.load_prompts(config.data)
+    prompt_mix.load_prompts(config.data)
   stats = si.self_instruct(config, 5)
   assert stats["questions"] == 5 and stats["new"] == 5
   rows = si.read_questions(config.data.paths.self_instruct)
@@ -145,7 +145,7 @@ def test_regenerate_answers_self_instruct_prompts(target, tmp_path, monkeypatch)
   assert si.self_instruct(config, 5)["new"] == 0  # already there: untouched
   config.data.max_new_tokens = 4
   regenerate.regenerate(config)
-  recs = data.read_shards(config.data.regen_dir)
+  recs = regen_store.read_shards(config.data.regen_dir)
   by_uid = {r["uid"]: r["question"] for r in rows}
   assert len(recs) == 3 and all(r["source"] == "self_instruct" for r in recs)
   for r in recs:

@@ -17,7 +17,7 @@ out = {"devices": jax.device_count()}
 for batch in (8, 3):
   for mode, theta in (("ar", 0.0), ("parallel", 0.3), ("sequential", 0.0)):
     r = fd.generate(target, prompts[:batch], max_new_tokens=21, drafter=drafter,
-                    mode=mode, threshold=theta, stop=[])
+                    mode=mode, speculation=fd.SpecOptions(threshold=theta), stop=[])
     out[f"{batch}-{mode}"] = r.token_ids
 print(json.dumps(out))
 """

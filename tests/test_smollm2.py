@@ -53,7 +53,8 @@ def test_shipped_drafter_drafts_losslessly(smollm2_target):
   with drafts accepted in parallel and sequential mode (it was trained to draft
   before the bonus is known, too)."""
   import os
-  from flexdraft_jax.evaluation.sweep import SHIPPED_DRAFTER, resolve_path
+  from flexdraft_jax.evaluation.plan import resolve_path
+  from flexdraft_jax.evaluation.sweep import SHIPPED_DRAFTER
   drafter = fd.load_drafter(resolve_path(SHIPPED_DRAFTER), smollm2_target)
   k = drafter.config.draft_vocab
   assert k and drafter.params["vocab"].shape == (k,)
@@ -64,7 +65,7 @@ def test_shipped_drafter_drafts_losslessly(smollm2_target):
   ref = fd.generate(smollm2_target, ids, max_new_tokens=MAX_NEW)
   for mode in ("parallel", "sequential", "flex"):
     out = fd.generate(smollm2_target, ids, max_new_tokens=MAX_NEW, drafter=drafter,
-                      mode=mode, cost_cache=None)
+                      mode=mode, speculation=fd.SpecOptions(cost_cache=None))
     for x, a, b in zip(ids, ref.token_ids, out.token_ids):
       assert _agree(smollm2_target, x, a, b), mode
     if mode != "flex":   # flex may run AR steps at batch 3 on a CPU (its costs say so)

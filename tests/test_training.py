@@ -19,8 +19,8 @@ from flexdraft_jax.drafter import checkpoint as drafter_ckpt  # noqa: E402
 from flexdraft_jax.drafter.model import DrafterConfig, init_draft_params  # noqa: E402
 from flexdraft_jax.model import transformer  # noqa: E402
 from flexdraft_jax.model.config import FlexDraftError  # noqa: E402
-from flexdraft_jax.training import (data, kv_cache, loss as loss_lib, sharding,  # noqa: E402
-                                    train)
+from flexdraft_jax.training import (data, kv_cache, loss as loss_lib, prompt_mix,  # noqa: E402
+                                    regen_store, sharding, train)
 from flexdraft_jax.training.config import base_config  # noqa: E402
 from flexdraft_jax.paths import data_root  # noqa: E402
 
@@ -63,7 +63,7 @@ def _read_csv(path):
 
 def test_tfds_dataset_round_trips(regen):
   regen_dir, recs = regen
-  got = data.load_records(regen_dir)
+  got = regen_store.load_records(regen_dir)
   want = sorted(recs, key=lambda r: r["uid"])
   assert [r.uid for r in got] == [r["uid"] for r in want]
   for g, w in zip(got, want):
@@ -72,13 +72,13 @@ def test_tfds_dataset_round_trips(regen):
     np.testing.assert_array_equal(g.answer_ids, w["answer_ids"])
   # a plain tfds reader sees the same dataset
   import tensorflow_datasets as tfds
-  path = os.path.join(data.tfds_dir(regen_dir), data.DATASET_NAME, "1.0.0")
+  path = os.path.join(regen_store.tfds_dir(regen_dir), regen_store.DATASET_NAME, "1.0.0")
   src = tfds.builder_from_directory(path).as_data_source()["train"]
   assert len(src) == len(recs)
 
 
 def test_packer_is_static_deterministic_and_in_range(regen):
-  recs = data.load_records(regen[0])
+  recs = regen_store.load_records(regen[0])
   T, K, bs = 40, 3, 4
   p = data.Packer(recs, seq_len=T, anchors=K, block_size=bs, pad_id=256, seed=1)
   b = p.train_batch(5, 6)
@@ -109,12 +109,12 @@ def test_prompt_sources_exclude_eval_splits(fixture_data, monkeypatch):
   monkeypatch.setenv("FLEXDRAFT_DATA", fixture_data)
   cfg = tiny.tiny_config("/unused").data
   assert cfg.paths.mbpp.startswith(fixture_data)
-  mbpp = data.read_source("mbpp", cfg.paths.mbpp)
+  mbpp = prompt_mix.read_source("mbpp", cfg.paths.mbpp)
   ids = [int(p.uid.split(":")[1]) for p in mbpp]
   assert sorted(ids) == sorted(data_fixture.MBPP_TRAIN_IDS)  # never 1-510
   assert all("Your code should pass this test:\nassert add_" in p.text for p in mbpp)
   cfg.mix = dict(gsm8k=4, mbpp=2, arena_hard_v01=-1, arena_hard_v20=1)
-  prompts = data.load_prompts(cfg)
+  prompts = prompt_mix.load_prompts(cfg)
   assert len(prompts) == 4 + 2 + 3 + 1
   assert len({p.uid for p in prompts}) == len(prompts)
   assert all(p.text.endswith(cfg.suffix.gsm8k) for p in prompts if p.source == "gsm8k")
@@ -125,9 +125,9 @@ def test_prompt_variants_frame_the_same_questions(fixture_data, monkeypatch):
   monkeypatch.setenv("FLEXDRAFT_DATA", fixture_data)
   cfg = tiny.tiny_config("/unused").data
   cfg.mix = dict(gsm8k=4, mbpp=-1, arena_hard_v01=-1, arena_hard_v20=1)
-  own = {p.uid: p for p in data.load_prompts(cfg)}
+  own = {p.uid: p for p in prompt_mix.load_prompts(cfg)}
   cfg.variant = "bench"  # the benchmarks' instructions; arena prompts have none
-  bench = data.load_prompts(cfg)
+  bench = prompt_mix.load_prompts(cfg)
   assert {p.source for p in bench} == {"gsm8k", "mbpp"}
   for p in bench:
     base = own[data.question_uid(p.uid)]
@@ -138,7 +138,7 @@ def test_prompt_variants_frame_the_same_questions(fixture_data, monkeypatch):
     suffix = cfg.suffix[p.source]
     assert p.text[:-len(instruction)] == base.text[:-len(suffix)]
   cfg.variant = "fn"  # MBPP as HumanEval frames a prompt
-  fn = data.load_prompts(cfg)
+  fn = prompt_mix.load_prompts(cfg)
   assert sorted(p.uid for p in fn) == sorted(f"mbpp:{i}#fn" for i in data_fixture.MBPP_TRAIN_IDS)
   i = data_fixture.MBPP_TRAIN_IDS[0]
   text = next(p.text for p in fn if p.uid == f"mbpp:{i}#fn")
@@ -146,33 +146,33 @@ def test_prompt_variants_frame_the_same_questions(fixture_data, monkeypatch):
   assert f"def add_{i}(x):\n" in text and f">>> add_{i}(1) == {i + 1}\n" in text
   assert f"return x + {i}" not in text  # the signature, never the solution
   cfg.variant = "doc"  # the same, the test shown as HumanEval shows an example
-  doc = {p.uid: p.text for p in data.load_prompts(cfg)}
+  doc = {p.uid: p.text for p in prompt_mix.load_prompts(cfg)}
   assert sorted(doc) == sorted(f"mbpp:{i}#doc" for i in data_fixture.MBPP_TRAIN_IDS)
   assert f">>> add_{i}(1)\n    {i + 1}\n" in doc[f"mbpp:{i}#doc"]
   assert f"return x + {i}" not in doc[f"mbpp:{i}#doc"]
   cfg.variant = "nope"
   with pytest.raises(FlexDraftError, match="unknown prompt variant 'nope'"):
-    data.load_prompts(cfg)
+    prompt_mix.load_prompts(cfg)
 
 
 def test_mbpp_function_needs_the_tested_def_on_one_line():
   task = {"text": "Sum two numbers.", "test_list": ["assert add(1, 2) == 3"],
           "code": "import math\r\nclass Helper: \r\n\tpass\r\ndef helper(x):\r\n"
                   "\treturn x\r\ndef add(a, b): \r\n\treturn a + b"}
-  assert data.mbpp_function(task) == (
+  assert prompt_mix.mbpp_function(task) == (
       'import math\ndef add(a, b):\n    """Sum two numbers.\n    >>> add(1, 2) == 3\n'
       '    True\n    """')
   two = dict(task, test_list=["assert add(1, 2) == 3", "assert add(*(2, 2)) == (2 == 2) + 3",
                               "assert add(0, 0) < 1", "assert add(0, 0"])
-  assert data.mbpp_function(two, examples=True) == (  # tests not `CALL == VALUE` are left out
+  assert prompt_mix.mbpp_function(two, examples=True) == (  # tests not `CALL == VALUE` are left out
       'import math\ndef add(a, b):\n    """Sum two numbers.\n    >>> add(1, 2)\n    3\n'
       '    >>> add(*(2, 2))\n    (2 == 2) + 3\n    """')
-  assert data.mbpp_function(dict(task, code="def add(a,\n        b):\n  return a + b")) == ""
-  assert data.mbpp_function(dict(task, code="def other(a):\n  return a")) == ""
+  assert prompt_mix.mbpp_function(dict(task, code="def add(a,\n        b):\n  return a + b")) == ""
+  assert prompt_mix.mbpp_function(dict(task, code="def other(a):\n  return a")) == ""
 
 
 def test_split_eval_holds_out_own_prompts_and_drops_their_variants():
-  rec = lambda uid: data.Record(uid, uid.split(":")[0], np.array([1], np.int32),
+  rec = lambda uid: regen_store.Record(uid, uid.split(":")[0], np.array([1], np.int32),
                                 np.array([2, 3], np.int32))
   own = [rec(f"gsm8k:{i}") for i in range(40)]
   train0, held0 = data.split_eval(own, 5)
@@ -192,7 +192,7 @@ def test_split_eval_holds_out_own_prompts_and_drops_their_variants():
 
 
 def test_format_gap_slices_split_trained_on_formats_from_held_out():
-  rec = lambda uid: data.Record(uid, uid.split(":")[0], np.array([1], np.int32),
+  rec = lambda uid: regen_store.Record(uid, uid.split(":")[0], np.array([1], np.int32),
                                 np.array([2, 3], np.int32))
   own = [rec(f"gsm8k:{i}") for i in range(40)] + [rec(f"mbpp:{i}") for i in range(10)]
   recs = own + [rec(r.uid + "#bench") for r in own] + [rec("gsm8k:3#doc")]
@@ -220,8 +220,8 @@ def test_shipped_dataset_holds_training_questions_only():
   assert len(set(uids)) == len(uids) and int(lengths.sum()) == n_ids
   for uid, source in zip(uids, sources):
     question, _, variant = uid.partition("#")
-    assert question.split(":")[0] == source and source in data.SOURCES
-    assert variant == "" or source in data.VARIANTS[variant]
+    assert question.split(":")[0] == source and source in prompt_mix.SOURCES
+    assert variant == "" or source in prompt_mix.VARIANTS[variant]
     if source == "mbpp":  # never a test or few-shot task
       assert 511 <= int(question.split(":")[1]) <= 974, uid
     if source == "gsm8k":  # train.jsonl's 7,473 rows
@@ -234,7 +234,7 @@ REAL_MBPP = os.path.join(data_root(), "mbpp", "mbpp.jsonl")
 @pytest.mark.skipif(not os.path.isfile(REAL_MBPP), reason=f"needs the real MBPP file "
                     f"({REAL_MBPP}; set $FLEXDRAFT_DATA): CI has it")
 def test_real_mbpp_training_split_is_511_to_974():
-  ids = [int(p.uid.split(":")[1]) for p in data.read_source("mbpp", REAL_MBPP)]
+  ids = [int(p.uid.split(":")[1]) for p in prompt_mix.read_source("mbpp", REAL_MBPP)]
   assert min(ids) == 511 and max(ids) == 974 and len(ids) == 464
 
 
@@ -302,7 +302,7 @@ def test_dual_path_clean_rows_equal_target(name):
 
 def test_precomputed_deep_kv_gives_the_same_loss(regen, target):
   dcfg = DrafterConfig(num_layers=2, block_size=4, calib_rank=8)
-  packer = data.Packer(data.load_records(regen[0]), seq_len=40, anchors=2,
+  packer = data.Packer(regen_store.load_records(regen[0]), seq_len=40, anchors=2,
                        block_size=4, pad_id=256, seed=0)
   batch = packer.train_batch(0, 3)
   draft = init_draft_params(target.params, target.config, dcfg, jax.random.PRNGKey(0))
@@ -320,7 +320,7 @@ def test_batches_cut_to_their_longest_sequence_give_the_same_loss(regen, target)
   """Without precomputed K/V a batch is cut to its longest sequence rounded up
   to `width_multiple`; the step's loss and metrics do not change, and a
   process's share of a global batch is cut to the global batch's width."""
-  recs = data.load_records(regen[0])
+  recs = regen_store.load_records(regen[0])
   dcfg = DrafterConfig(num_layers=2, block_size=4, calib_rank=8, bonus_input=True)
   pack = lambda m: data.Packer(recs, seq_len=96, anchors=3, block_size=4, pad_id=256,
                                seed=0, width_multiple=m)
@@ -816,7 +816,7 @@ def test_regenerate_cli_answers_greedily_and_resumes(tmp_path, target, fixture_d
     regenerate.run(argv)
   assert e.value.code in (0, None)
   assert f"regenerate: writing to {regen_dir} (--config.data.regen_dir" in capsys.readouterr().out
-  recs = data.load_records(regen_dir)
+  recs = regen_store.load_records(regen_dir)
   assert sorted(r.source for r in recs) == ["gsm8k", "gsm8k", "mbpp", "mbpp"]
   for r in recs[:2]:
     assert r.prompt_ids[0] == target.tokenizer.BOS
@@ -827,10 +827,10 @@ def test_regenerate_cli_answers_greedily_and_resumes(tmp_path, target, fixture_d
   cfg = tiny.tiny_config(regen_dir)
   cfg.data.max_new_tokens = 5
   cfg.data.mix = dict(gsm8k=3, mbpp=2, arena_hard_v01=0, arena_hard_v20=0)
-  n_shards = data.next_shard_index(regen_dir)
+  n_shards = regen_store.next_shard_index(regen_dir)
   regenerate.regenerate(cfg)
-  assert data.next_shard_index(regen_dir) == n_shards + 1
-  assert len(data.load_records(regen_dir)) == 5
+  assert regen_store.next_shard_index(regen_dir) == n_shards + 1
+  assert len(regen_store.load_records(regen_dir)) == 5
   cfg.target = "random:tiny:1"  # another target may not add to this data
   with pytest.raises(Exception, match="target_fingerprint"):
     regenerate.regenerate(cfg)
@@ -848,22 +848,22 @@ def test_regenerate_parts_split_the_mix(tmp_path, fixture_data, monkeypatch):
     cfg.data.mix = dict(gsm8k=4, mbpp=2, arena_hard_v01=0, arena_hard_v20=0)
     cfg.data.part = f"{i}/2"
     regenerate.regenerate(cfg)
-    uids.append({r.uid for r in data.load_records(cfg.data.regen_dir)})
-  whole = {p.uid for p in data.load_prompts(cfg.data)}
+    uids.append({r.uid for r in regen_store.load_records(cfg.data.regen_dir)})
+  whole = {p.uid for p in prompt_mix.load_prompts(cfg.data)}
   assert uids[0] and uids[1] and not uids[0] & uids[1]
   assert uids[0] | uids[1] == whole and len(whole) == 6
   # merged into one dir: every answer once; merging again adds nothing
   p0, p1 = str(tmp_path / "p0"), str(tmp_path / "p1")
-  assert data.merge_regen(p0, p1) == len(uids[1])
-  assert data.merge_regen(p0, p1) == 0
-  merged = data.load_records(p0)
+  assert regen_store.merge_regen(p0, p1) == len(uids[1])
+  assert regen_store.merge_regen(p0, p1) == 0
+  merged = regen_store.load_records(p0)
   assert sorted(r.uid for r in merged) == sorted(whole)
   cfg.target = "random:tiny:1"  # another target's answers do not merge
   other = str(tmp_path / "other")
   cfg.data.regen_dir, cfg.data.part = other, ""
   regenerate.regenerate(cfg)
   with pytest.raises(FlexDraftError, match="cannot merge .* target_fingerprint"):
-    data.merge_regen(p0, other)
+    regen_store.merge_regen(p0, other)
 
 
 def test_metrics_log_csv_and_tensorboard(tmp_path):
@@ -885,7 +885,7 @@ def test_metrics_log_csv_and_tensorboard(tmp_path):
 # ------------------------------------------------------- draft vocabulary ----
 
 def test_draft_vocabulary_takes_the_most_frequent_answer_tokens():
-  rec = lambda ans: data.Record("u", "s", np.array([9, 9, 9], np.int32),
+  rec = lambda ans: regen_store.Record("u", "s", np.array([9, 9, 9], np.int32),
                                 np.array(ans, np.int32))
   recs = [rec([5, 5, 5, 3, 3, 7]), rec([3, 2, 2, 5])]
   # counts: 5 ×4, 3 ×3, 2 ×2, 7 ×1; prompt tokens (9) do not count; stop id 0 first
@@ -899,7 +899,7 @@ def test_draft_vocabulary_takes_the_most_frequent_answer_tokens():
 def test_precomputed_kv_in_length_buckets_equals_one_pass(regen, target):
   cfg = tiny.tiny_config(regen[0])
   dcfg = train.drafter_config(cfg)
-  recs = data.load_records(regen[0])
+  recs = regen_store.load_records(regen[0])
   packer = data.Packer(recs, seq_len=cfg.train.seq_len, anchors=2, block_size=4,
                        pad_id=0, seed=0)
   rep = jax.sharding.NamedSharding(sharding.make_mesh(data=-1, model=1),
@@ -919,7 +919,7 @@ def test_training_with_a_draft_vocabulary(regen, target, tmp_path):
   cfg.drafter.draft_vocab = 8
   result = train.train(cfg, str(tmp_path))
   vocab = np.load(tmp_path / "draft_vocab.npy")
-  answers = np.concatenate([r.answer_ids for r in data.load_records(regen[0])])
+  answers = np.concatenate([r.answer_ids for r in regen_store.load_records(regen[0])])
   assert set(np.unique(answers)) <= set(vocab.tolist())  # 6 distinct answer tokens
   assert target.config.eos_token_ids[0] in vocab.tolist()
   d = drafter_ckpt.load_drafter(str(tmp_path / "final_drafter"), target)
@@ -934,7 +934,7 @@ def test_training_with_a_draft_vocabulary(regen, target, tmp_path):
   assert len(ev) == 2 and all(0 <= float(r["eval_acc_1"]) <= 1 for r in ev)
   # it decodes losslessly
   import flexdraft_jax as fd
-  prompts = [r.prompt_ids.tolist() for r in data.load_records(regen[0])[:3]]
+  prompts = [r.prompt_ids.tolist() for r in regen_store.load_records(regen[0])[:3]]
   ref = fd.generate(target, prompts, max_new_tokens=12)
   out = fd.generate(target, prompts, max_new_tokens=12, drafter=d, mode="sequential")
   assert out.token_ids == ref.token_ids
@@ -956,8 +956,8 @@ def test_eval_also_scores_the_held_out_questions_in_the_variants_formats(target,
   recs = own + [dict(r, uid=r["uid"] + "#bench") for r in own]
   regen_dir = str(tmp_path / "regen")
   for s in range(0, len(recs), 4):
-    data.write_shard(regen_dir, s // 4, recs[s:s + 4])
-  data.build_dataset(regen_dir)
+    regen_store.write_shard(regen_dir, s // 4, recs[s:s + 4])
+  regen_store.build_dataset(regen_dir)
   cfg = tiny.tiny_config(regen_dir, num_steps=2, eval_every=2)
   cfg.data.variant_weights.bench = 3
   su = train.setup(cfg)
@@ -1130,26 +1130,26 @@ def test_packed_dataset_round_trips_and_continues(regen, tmp_path):
   shutil.copytree(regen[0], regen_dir)  # the shared fixture keeps its meta.json
   with open(os.path.join(regen_dir, "meta.json"), "w") as f:
     json.dump({"target_fingerprint": "fp-x", "max_new_tokens": 12}, f)
-  info = data.pack_regen(regen_dir, str(tmp_path / "p.npz"))
+  info = regen_store.pack_regen(regen_dir, str(tmp_path / "p.npz"))
   assert info["records"] == len(recs)
   fresh = str(tmp_path / "fresh")
-  assert data.unpack_regen(str(tmp_path / "p.npz"), fresh) == len(recs)
-  got, want = data.load_records(fresh), data.load_records(regen_dir)
+  assert regen_store.unpack_regen(str(tmp_path / "p.npz"), fresh) == len(recs)
+  got, want = regen_store.load_records(fresh), regen_store.load_records(regen_dir)
   assert [r.uid for r in got] == [r.uid for r in want]
   for g, w in zip(got, want):
     np.testing.assert_array_equal(g.prompt_ids, w.prompt_ids)
     np.testing.assert_array_equal(g.answer_ids, w.answer_ids)
-  assert data.unpack_regen(str(tmp_path / "p.npz"), fresh) == 0   # nothing new
+  assert regen_store.unpack_regen(str(tmp_path / "p.npz"), fresh) == 0   # nothing new
   with open(os.path.join(fresh, "meta.json"), "w") as f:
     json.dump({"target_fingerprint": "other"}, f)
   with pytest.raises(Exception, match="holds answers of target other"):
-    data.unpack_regen(str(tmp_path / "p.npz"), fresh)
+    regen_store.unpack_regen(str(tmp_path / "p.npz"), fresh)
   with pytest.raises(Exception, match="no packed regenerated dataset"):
-    data.unpack_regen(str(tmp_path / "missing.npz"), fresh)
+    regen_store.unpack_regen(str(tmp_path / "missing.npz"), fresh)
 
 
 def test_source_and_variant_weights_repeat_records_within_an_epoch():
-  recs = [data.Record(f"u{i}", "a" if i < 3 else "b", np.array([1], np.int32),
+  recs = [regen_store.Record(f"u{i}", "a" if i < 3 else "b", np.array([1], np.int32),
                       np.array([2, 3], np.int32)) for i in range(5)]
   p = data.Packer(recs, seq_len=8, anchors=1, block_size=2, pad_id=0, seed=0,
                   source_weights={"a": 2, "b": 0})
@@ -1161,8 +1161,8 @@ def test_source_and_variant_weights_repeat_records_within_an_epoch():
     data.Packer(recs, seq_len=8, anchors=1, block_size=2, pad_id=0, seed=0,
                 source_weights={"a": 1.5})
   # a variant's answers: the source's weight times the variant's
-  recs += [data.Record("u0#bench", "a", np.array([1], np.int32), np.array([2, 3], np.int32)),
-           data.Record("u3#fn", "b", np.array([1], np.int32), np.array([2, 3], np.int32))]
+  recs += [regen_store.Record("u0#bench", "a", np.array([1], np.int32), np.array([2, 3], np.int32)),
+           regen_store.Record("u3#fn", "b", np.array([1], np.int32), np.array([2, 3], np.int32))]
   p = data.Packer(recs, seq_len=8, anchors=1, block_size=2, pad_id=0, seed=0,
                   source_weights={"a": 2}, variant_weights={"bench": 3, "fn": 0})
   assert sorted(p.train_indices(0, 14)[0]) == [0, 0, 1, 1, 2, 2, 3, 4] + [5] * 6
@@ -1248,7 +1248,7 @@ def test_bonus_dropout_trains_blind_blocks_as_parallel_mode_drafts(target, regen
   # the asked share of blind blocks, deterministically.
   import dataclasses
   cfg, drafter = target.config, _bonus_drafter(target)
-  records = data.load_records(regen[0])
+  records = regen_store.load_records(regen[0])
   pack = lambda p: data.Packer(records, seq_len=512, anchors=8, block_size=4, pad_id=0,
                                seed=0, bonus_dropout=p)
   batch = pack(0.5).train_batch(0, 8)

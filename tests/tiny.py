@@ -8,7 +8,7 @@ import os
 import numpy as np
 
 from flexdraft_jax.model import random_target
-from flexdraft_jax.training import data
+from flexdraft_jax.training import regen_store
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -38,8 +38,8 @@ def write_fake_regen(regen_dir: str, target, n: int = 24, seed: int = 0) -> list
   """Fake regenerated shards (4 records each) + the tfds dataset over them."""
   recs = fake_records(target, n, seed)
   for s in range(0, n, 4):
-    data.write_shard(regen_dir, s // 4, recs[s:s + 4])
-  data.build_dataset(regen_dir)
+    regen_store.write_shard(regen_dir, s // 4, recs[s:s + 4])
+  regen_store.build_dataset(regen_dir)
   return recs
 
 

@@ -28,8 +28,8 @@ def first_chunk(target, drafter, prompts, max_new_tokens: int = 128,
   chunk.run_chunk = capture
   try:
     fd.generate(target, prompts, max_new_tokens=max_new_tokens, drafter=drafter,
-                mode="sequential", verify_len=2, stop=[], chat=True,
-                draft_dtype=draft_dtype)
+                mode=fd.Mode.SEQUENTIAL, stop=[], chat=True,
+                speculation=fd.SpecOptions(verify_len=2, draft_dtype=draft_dtype))
   finally:
     chunk.run_chunk = real
   return first["args"], first["kw"]

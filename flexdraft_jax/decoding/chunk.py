@@ -1,4 +1,4 @@
-"""The device side of decoding: options, prefill, and the jitted chunk.
+"""The device side of decoding: prefill, and the jitted chunk.
 
 A *chunk* is one jitted `lax.while_loop` of up to `n` steps of one mode at one
 verify length k, the state (and its KV cache) donated. The host (driver.py)
@@ -7,54 +7,16 @@ runs chunks and reads a few flags between them.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import numbers
-from typing import Optional
 
 import jax
 import jax.numpy as jnp
 
 from flexdraft_jax.decoding import ar, parallel, sequential, verify
+from flexdraft_jax.decoding.options import Mode, SpecOptions
 from flexdraft_jax.decoding.state import DecodeState, prefill
 from flexdraft_jax.drafter.model import Drafter
 from flexdraft_jax.model import transformer
-from flexdraft_jax.model.config import FlexDraftError
-
-
-@dataclasses.dataclass(frozen=True)
-class SpecOptions:
-  """Speculative-mode knobs (static: each value compiles its own steps)."""
-  theta: float = 0.0
-  strategy: str = "cumulative_product"
-  flex_threshold: object = "auto"   # B*: an int, or "auto"
-  group_buckets: tuple = ()         # () -> 2, 3, 4, 8, 16, … up to bs
-  verify_len: Optional[int] = None  # k: verify at most k - 1 drafts (None: bs)
-  cost_cache: object = "default"    # flex's step-cost file (see flex.cost_cache_path)
-
-  def validate(self):
-    if not isinstance(self.theta, numbers.Real) or not 0.0 <= self.theta <= 1.0:
-      raise FlexDraftError(f"threshold θ must be in [0, 1], got {self.theta}")
-    if self.strategy not in verify.STRATEGIES:
-      raise FlexDraftError(f"strategy must be one of {verify.STRATEGIES}, "
-                           f"got {self.strategy!r}")
-    if self.flex_threshold != "auto" and (
-        not isinstance(self.flex_threshold, int) or self.flex_threshold < 0):
-      raise FlexDraftError(
-          f"flex threshold must be 'auto' or an integer >= 0, got {self.flex_threshold!r}")
-    if self.verify_len is not None and (
-        not isinstance(self.verify_len, int) or self.verify_len < 2):
-      raise FlexDraftError(f"verify_len must be an integer >= 2, got {self.verify_len!r}")
-
-
-def parse_flex_threshold(value, name: str = "flex_threshold"):
-  """B* from a flag or config value: 'auto', or an integer (a string of one)."""
-  if isinstance(value, str) and value != "auto":
-    try:
-      return int(value)
-    except ValueError:
-      raise FlexDraftError(f"{name} must be 'auto' or an integer, got {value!r}") from None
-  return value
 
 
 def group_buckets(bs: int, opts: SpecOptions) -> tuple:
@@ -101,9 +63,9 @@ def run_chunk(target_params, draft_params, state: DecodeState, *, cfg, dcfg, mod
   if refresh:  # drafts went stale during AR steps
     state = verify.refresh_drafts(target_params, cfg, drafter, state, sp=sp,
                                   attn_impl=attn_impl)
-  if mode == "ar":
+  if mode == Mode.AR:
     step = lambda st: ar.ar_step(target_params, cfg, st, **kw)
-  elif mode == "sequential":
+  elif mode == Mode.SEQUENTIAL:
     step = lambda st: sequential.sequential_step(
         target_params, cfg, drafter, st, verify_len=num_groups, theta=theta,
         strategy=strategy, **kw)

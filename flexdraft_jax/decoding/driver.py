@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from flexdraft_jax.decoding import chunk, flex, timing
+from flexdraft_jax.decoding.options import Mode
 from flexdraft_jax.util import round_up
 
 # Once at most half the rows of a batch of at least COMPACT_MIN are live, the
@@ -33,7 +34,7 @@ class Driver:
     self.k_max, self.buckets = (chunk.verify_buckets(self.bs, opts) if drafter
                                 else (1, ()))
     self.policy = (flex.FlexPolicy(target, drafter, opts, self.buckets, self._time)
-                   if mode == "flex" else None)
+                   if mode == Mode.FLEX else None)
     self.group_counts, self.modes = [], []
     self.stale_drafts = False
     self.mesh = mesh
@@ -48,25 +49,25 @@ class Driver:
 
   def _refreshes(self, mode) -> bool:
     """Whether a chunk of `mode` now first refreshes drafts gone stale in AR."""
-    return self.stale_drafts and mode != "ar"
+    return self.stale_drafts and mode != Mode.AR
 
   def _chunk(self, state, mode, k, n_steps):
     refresh = self._refreshes(mode)
-    self.stale_drafts = (self.stale_drafts or mode == "ar") and not refresh
+    self.stale_drafts = (self.stale_drafts or mode == Mode.AR) and not refresh
     return self._call(state, mode, k, n_steps, refresh)
 
   def _call(self, state, mode, k, n_steps, refresh=False):
     dparams = None if self.drafter is None else self.drafter.params
     return chunk.run_chunk(
         self.target.params, dparams, state, mode=mode, num_groups=k,
-        n_steps=jnp.int32(n_steps), theta=jnp.float32(self.opts.theta),
+        n_steps=jnp.int32(n_steps), theta=jnp.float32(self.opts.threshold),
         strategy=self.opts.strategy, refresh=refresh, **self.static, **self.traced)
 
   def _bucket(self, needed: int) -> int:
     return next((g for g in self.buckets if g >= needed), self.buckets[-1])
 
   def _needed(self, state):
-    g, live = chunk.needed_groups(state, theta=jnp.float32(self.opts.theta),
+    g, live = chunk.needed_groups(state, theta=jnp.float32(self.opts.threshold),
                                   strategy=self.opts.strategy)
     return int(g), int(live)
 
@@ -80,14 +81,14 @@ class Driver:
       if done.all():
         return state
       state = self._maybe_compact(state, done)
-      if self.mode == "ar" or (self.policy and self.policy.sticky_ar(
+      if self.mode == Mode.AR or (self.policy and self.policy.sticky_ar(
           self.modes[-1][0] if self.modes else None)):
-        mode, k = "ar", 0
+        mode, k = Mode.AR, 0
       else:
         groups, live = self._needed(state)
         mode, k = self._choose(state, live, groups)
-      selective = mode != "ar" and self.opts.theta > 0
-      if mode == "ar":
+      selective = mode != Mode.AR and self.opts.threshold > 0
+      if mode == Mode.AR:
         # Plain AR runs exactly as the `ar` mode does: one device loop, or
         # chunks of AR_CHUNK while compaction can still shrink the batch.
         n = AR_CHUNK if self.B >= COMPACT_MIN else max_new
@@ -115,7 +116,7 @@ class Driver:
   def _choose(self, state, live: int, groups: int) -> tuple:
     """(mode, k) for the next chunk; `groups` is what selective verification
     asks for (k_max at θ = 0)."""
-    k = self._bucket(min(groups, self.k_max)) if self.opts.theta > 0 else self.k_max
+    k = self._bucket(min(groups, self.k_max)) if self.opts.threshold > 0 else self.k_max
     if self.policy is None:
       return self.mode, k
     return self.policy.choose(state, live, k, self.B, self.S)
@@ -165,7 +166,7 @@ class Driver:
     best of `reps` loops (a shared CPU only ever adds time; flex's `measure`
     calls this round-robin over the variants and keeps the best)."""
     probe = jax.tree.map(lambda x: x.copy(), state)
-    if mode != "ar" and self.opts.theta > 0:
+    if mode != Mode.AR and self.opts.threshold > 0:
       n = 1
 
     def run(st, n_steps):  # every row live, nothing emitted yet: full steps of work
@@ -182,8 +183,9 @@ class Driver:
     return best
 
   def stats(self) -> dict:
-    out = {"group_counts": self.group_counts, "mode_steps": self.modes,
-           "mode_emitted": {m: list(v) for m, v in self.emitted.items()}}
+    out = {"group_counts": self.group_counts,
+           "mode_steps": [[str(m), n] for m, n in self.modes],
+           "mode_emitted": {str(m): list(v) for m, v in self.emitted.items()}}
     if self.policy:
       out.update(self.policy.stats())
     return out

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import numbers
 import time
 import warnings
 from typing import Optional, Sequence
@@ -15,8 +14,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from flexdraft_jax.decoding import sharding, timing
-from flexdraft_jax.decoding.chunk import SpecOptions, prefill_batch
+from flexdraft_jax.decoding.chunk import prefill_batch
 from flexdraft_jax.decoding.driver import Driver
+from flexdraft_jax.decoding.options import (Mode, RuntimeOptions, SpecOptions, _is_int,
+                                            check_options, check_prompts, check_stop,
+                                            ignored_options, python_name)
 from flexdraft_jax.decoding.sampling import SamplingParams
 from flexdraft_jax.decoding.state import KV_BLOCK
 from flexdraft_jax.drafter.model import (Drafter, draft_head, narrow_draft_params,
@@ -26,66 +28,12 @@ from flexdraft_jax.model import transformer
 from flexdraft_jax.model.config import FlexDraftError, FlexDraftWarning
 from flexdraft_jax.util import round_up
 
-MODES = ("ar", "parallel", "sequential", "flex")
-ATTN_IMPLS = ("xla", "pallas", "auto")
-# The draft pass's matmul weights: "bfloat16" (half the bytes; drafts may
-# differ slightly, outputs do not), "target" (the target's dtype, as loaded),
-# "auto" (bfloat16 where the CPU kernel runs it on an fp32 target, see
-# `resolve_draft_dtype`).
-DRAFT_DTYPES = ("auto", "bfloat16", "target")
-
 
 @dataclasses.dataclass
 class GenerateResult:
   token_ids: list      # per prompt: new ids, up to and including a stop token
   texts: list
   stats: dict
-
-
-def _is_int(x) -> bool:
-  """An integer (Python, NumPy or a 0-d integer array), not a bool or a float."""
-  if isinstance(x, bool):
-    return False
-  if isinstance(x, numbers.Integral):
-    return True
-  dtype = getattr(x, "dtype", None)
-  return dtype is not None and getattr(x, "ndim", 1) == 0 and np.dtype(dtype).kind in "iu"
-
-
-def _check_int(name: str, value, low: int, hint: str = ""):
-  if not _is_int(value) or value < low:
-    raise FlexDraftError(f"{name} must be an integer >= {low}{hint}, got {value!r}")
-
-
-def check_prompts(prompts) -> list:
-  """`prompts` as a list of str / id sequences, or a one-line error naming the
-  first one that is neither (bytes, a number, float ids, a flat id list)."""
-  if isinstance(prompts, (bytes, bytearray)):
-    raise FlexDraftError("prompts are bytes: pass text (str) or lists of token ids")
-  if isinstance(prompts, str):
-    return [prompts]
-  try:
-    prompts = list(prompts)
-  except TypeError:
-    raise FlexDraftError(f"prompts must be a list of strings or of token-id lists, "
-                         f"got {type(prompts).__name__}") from None
-  if not prompts:
-    raise FlexDraftError("no prompts given")
-  if all(_is_int(p) for p in prompts):
-    raise FlexDraftError(f"prompts is a flat list of {len(prompts)} ids: pass a list "
-                         "of prompts, e.g. [[1, 2, 3]] for one prompt of ids")
-  for i, p in enumerate(prompts):
-    if isinstance(p, str):
-      continue
-    if isinstance(p, (bytes, bytearray)):
-      raise FlexDraftError(f"prompt {i} is bytes: pass text (str) or a list of token ids")
-    if isinstance(p, (numbers.Number, dict)) or not hasattr(p, "__iter__"):
-      raise FlexDraftError(f"prompt {i} is {type(p).__name__} {p!r}: a prompt is "
-                           "text (str) or a list of token ids")
-    bad = next((t for t in p if not _is_int(t)), None)
-    if bad is not None:
-      raise FlexDraftError(f"prompt {i} has a token id that is not an integer: {bad!r}")
-  return prompts
 
 
 def _encode_prompts(target, prompts, chat: bool):
@@ -110,23 +58,10 @@ def _encode_prompts(target, prompts, chat: bool):
 
 
 MAX_STOP_IDS = 8
-MAX_POSITIONS = 2 ** 31 - 1  # positions and lengths are int32 on the device
 
 
 def _stop_array(stop_ids: tuple) -> jax.Array:
   return jnp.asarray(list(stop_ids) + [-1] * (MAX_STOP_IDS - len(stop_ids)), jnp.int32)
-
-
-def check_stop(stop):
-  """`stop` is None or a list of token ids / single-token strings."""
-  if stop is None:
-    return
-  if isinstance(stop, (str, bytes, numbers.Number)) or not hasattr(stop, "__iter__"):
-    raise FlexDraftError(f"stop must be a list of token ids or single-token strings, "
-                         f"got {type(stop).__name__} {stop!r} (e.g. stop=[{stop!r}])")
-  bad = next((s for s in stop if not (_is_int(s) or isinstance(s, str))), None)
-  if bad is not None:
-    raise FlexDraftError(f"a stop token must be an integer id or a string, got {bad!r}")
 
 
 def _stop_ids(target, stop) -> tuple:
@@ -155,121 +90,35 @@ def _stop_ids(target, stop) -> tuple:
   return ids
 
 
-def check_options(*, max_new_tokens=128, temperature=0.0, top_k=None, top_p=None,
-                  mode="ar", batch_size=None, max_len=None, threshold=0.0,
-                  strategy="cumulative_product", flex_threshold="auto", attn_impl="xla",
-                  block_size=None, draft_sampling=False, verify_len=None,
-                  stop=None, draft_dtype="auto") -> tuple:
-  """Every check of `generate`'s options that needs no model (run before loading
-  one); returns (SamplingParams, SpecOptions)."""
-  if mode not in MODES:
-    raise FlexDraftError(f"mode must be one of {MODES}, got {mode!r}")
-  _check_int("max_new_tokens", max_new_tokens, 1)
-  if batch_size is not None:
-    _check_int("batch_size", batch_size, 1, " (unset: all prompts in one batch)")
-  if max_len is not None:
-    _check_int("max_len", max_len, 2)
-  for name, value in (("max_new_tokens", max_new_tokens), ("max_len", max_len)):
-    if value is not None and value > MAX_POSITIONS:
-      raise FlexDraftError(f"{name}={value} is beyond any model's context (positions "
-                           f"are int32: at most {MAX_POSITIONS})")
-  if block_size is not None:
-    _check_int("block_size", block_size, 2)
-  if attn_impl not in ATTN_IMPLS:
-    raise FlexDraftError(f"attn_impl must be one of {ATTN_IMPLS}, got {attn_impl!r}")
-  if draft_dtype not in DRAFT_DTYPES:
-    raise FlexDraftError(f"draft_dtype must be one of {DRAFT_DTYPES}, got {draft_dtype!r}")
-  check_stop(stop)
-  sp = SamplingParams(temperature, top_k, top_p, bool(draft_sampling))
-  opts = SpecOptions(threshold, strategy, flex_threshold, verify_len=verify_len)
-  opts.validate()
-  return sp, opts
-
-
-def ignored_options(*, mode="ar", temperature=0.0, draft_sampling=False, block_size=None,
-                    verify_len=None, threshold=0.0, flex_threshold="auto",
-                    drafter=None, draft_dtype="auto", top_k=None, top_p=None,
-                    spell=lambda name: name) -> list:
-  """One line per option given that has no effect with the others (they
-  would otherwise be ignored silently). `spell` names an option (CLI flags)."""
-  out = []
-  if mode == "ar":
-    for name, value in (("block_size", block_size), ("verify_len", verify_len)):
-      if value is not None:
-        out.append(f"{spell(name)}={value} has no effect in mode 'ar' (no drafts)")
-    if threshold:
-      out.append(f"{spell('threshold')}={threshold} has no effect in mode 'ar' (no drafts)")
-    if drafter is not None:
-      out.append(f"mode 'ar' does not use the drafter ({spell('drafter')})")
-    if draft_dtype != "auto":
-      out.append(f"{spell('draft_dtype')}={draft_dtype} has no effect in mode 'ar' "
-                 "(no drafts)")
-  if mode != "flex" and flex_threshold != "auto":
-    out.append(f"{spell('flex_threshold')} has no effect in mode {mode!r}")
-  if draft_sampling and temperature == 0:
-    out.append(f"{spell('draft_sampling')} has no effect at temperature 0 (greedy "
-               "decoding drafts and keeps the argmax)")
-  for name, value in (("top_k", top_k), ("top_p", top_p)):
-    if value is not None and temperature == 0:
-      out.append(f"{spell(name)}={value} has no effect at temperature 0 (greedy "
-                 "decoding keeps the argmax)")
-  return out
-
-
-def generate(target, prompts: Sequence, *, max_new_tokens: int = 128,
-             temperature: float = 0.0, top_k: Optional[int] = None,
-             top_p: Optional[float] = None, seed: int = 0,
-             drafter: Optional[Drafter] = None, mode: str = "ar",
-             chat: bool = False, stop=None, batch_size: Optional[int] = None,
-             max_len: Optional[int] = None, threshold: float = 0.0,
-             strategy: str = "cumulative_product", flex_threshold="auto",
-             attn_impl: str = "xla", block_size: Optional[int] = None,
-             draft_sampling: bool = False, calibrate: bool = True,
-             steps_per_call: int = 16, verify_len: Optional[int] = None,
-             cost_cache="default", draft_dtype: str = "auto") -> GenerateResult:
+def generate(target, prompts: Sequence, *, drafter: Optional[Drafter] = None,
+             mode: str = "ar", max_new_tokens: int = 128,
+             sampling: SamplingParams = SamplingParams(),
+             speculation: SpecOptions = SpecOptions(),
+             runtime: RuntimeOptions = RuntimeOptions(),
+             chat: bool = False, stop=None, seed: int = 0) -> GenerateResult:
   """Generates continuations of `prompts` (strings or id lists).
 
-  Every mode's output is the target's (token-identical to `ar` at T=0).
-  `verify_len` k (≤ the block size) verifies at most k - 1 drafts per step — a
-  shorter, cheaper verify block; flex `auto` picks k itself, up to this.
-  `cost_cache`: where flex keeps measured step costs — a file path, None for
-  memory only, "default" for `$FLEXDRAFT_COST_CACHE` or
-  `$XDG_CACHE_HOME/flexdraft_jax/step_costs.json`.
-  `draft_dtype`: the draft pass's matmul weights, "auto" | "bfloat16" |
-  "target" (see `DRAFT_DTYPES`); verification always reads the target's own.
+  `mode` is one of `Mode` ("ar", "parallel", "sequential", "flex"); every
+  mode's output is the target's (token-identical to "ar" at T=0). The option
+  groups: `sampling` (temperature, top-k/p, draft sampling), `speculation`
+  (block size, verify length, θ, flex's B*, the draft dtype, the cost cache)
+  and `runtime` (batch size, cache length, attention kernel); see options.py.
+  `stop`: token ids or single-token strings (default: the model's EOS).
   Returns GenerateResult(token_ids, texts, stats).
   """
-  sp, opts = check_options(
-      max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-      mode=mode, batch_size=batch_size, max_len=max_len, threshold=threshold,
-      strategy=strategy, flex_threshold=flex_threshold, attn_impl=attn_impl,
-      block_size=block_size, draft_sampling=draft_sampling, verify_len=verify_len,
-      stop=stop, draft_dtype=draft_dtype)
-  opts = dataclasses.replace(opts, cost_cache=cost_cache)
+  mode = check_options(mode=mode, max_new_tokens=max_new_tokens, sampling=sampling,
+                       speculation=speculation, runtime=runtime, stop=stop)
   if not _is_int(seed):
     raise FlexDraftError(f"seed must be an integer, got {type(seed).__name__} {seed!r}")
-  for line in ignored_options(mode=mode, temperature=temperature,
-                              draft_sampling=draft_sampling, block_size=block_size,
-                              verify_len=verify_len, threshold=threshold,
-                              flex_threshold=flex_threshold, drafter=drafter,
-                              draft_dtype=draft_dtype, top_k=top_k, top_p=top_p):
+  for line in ignored_options(mode=mode, sampling=sampling, speculation=speculation,
+                              drafter=drafter):
     warnings.warn(line, FlexDraftWarning, stacklevel=2)
-  if mode != "ar" and drafter is None:
-    raise FlexDraftError(f"mode {mode!r} needs a drafter (--drafter PATH)")
-  if drafter is not None and mode != "ar":
-    from flexdraft_jax.drafter.compat import check_compatible
-    check_compatible(drafter, target)
-    if mode == "parallel" and not drafter.config.drafts_blind:
-      warnings.warn("mode 'parallel' drafts before the bonus is known and this drafter "
-                    "was trained to read it (bonus_input without bonus_dropout): it "
-                    "drafts blind, poorly; 'sequential' or 'flex' suit it",
-                    FlexDraftWarning, stacklevel=2)
-    drafter = _with_block_size(drafter, block_size)
-    if verify_len is not None and verify_len > drafter.config.block_size:
-      raise FlexDraftError(f"verify_len={verify_len} exceeds the block size "
-                           f"{drafter.config.block_size}")
-    if not calibrate:  # ablation: drafts without the bonus-guided calibration
-      drafter = drafter._replace(config=dataclasses.replace(drafter.config, calibrate=False))
+  if mode != Mode.AR and drafter is None:
+    raise FlexDraftError(f"mode {str(mode)!r} needs a drafter (--drafter PATH)")
+  if mode == Mode.AR:
+    drafter = None
+  else:
+    drafter = _speculative_drafter(drafter, target, mode, speculation)
   prompts = check_prompts(prompts)
   n_ids = sum(not isinstance(p, str) for p in prompts)
   if target.tokenizer is None and n_ids < len(prompts):
@@ -280,18 +129,36 @@ def generate(target, prompts: Sequence, *, max_new_tokens: int = 128,
                   "(the chat template applies to text)", FlexDraftWarning, stacklevel=2)
   ids = _encode_prompts(target, prompts, chat)
   stop_ids = _stop_ids(target, stop)
-  batch_size = batch_size or len(ids)  # None: one batch
+  batch_size = runtime.batch_size or len(ids)  # None: one batch
   results, stats_list = [None] * len(ids), []
-  narrow = resolve_draft_dtype(draft_dtype, target.params)
+  narrow = resolve_draft_dtype(speculation.draft_dtype, target.params)
   for start in range(0, len(ids), batch_size):
     chunk = ids[start:start + batch_size]
-    toks, st = _generate_batch(target, chunk, max_new_tokens, sp, seed + start,
-                               drafter if mode != "ar" else None, mode, opts,
-                               stop_ids, max_len, attn_impl, steps_per_call, narrow)
+    toks, st = _generate_batch(target, chunk, max_new_tokens, sampling, seed + start,
+                               drafter, mode, speculation, stop_ids, runtime, narrow)
     results[start:start + len(chunk)] = toks
     stats_list.append(st)
   return GenerateResult(results, _texts(target.tokenizer, results),
                         _merge_stats(stats_list, mode))
+
+
+def _speculative_drafter(drafter: Drafter, target, mode: Mode, so: SpecOptions) -> Drafter:
+  """`drafter` checked against `target` and `mode`, with `so`'s block size and
+  calibration."""
+  from flexdraft_jax.drafter.compat import check_compatible
+  check_compatible(drafter, target)
+  if mode == Mode.PARALLEL and not drafter.config.drafts_blind:
+    warnings.warn("mode 'parallel' drafts before the bonus is known and this drafter "
+                  "was trained to read it (bonus_input without bonus_dropout): it "
+                  "drafts blind, poorly; 'sequential' or 'flex' suit it",
+                  FlexDraftWarning, stacklevel=3)
+  drafter = _with_block_size(drafter, so.block_size)
+  if so.verify_len is not None and so.verify_len > drafter.config.block_size:
+    raise FlexDraftError(f"{python_name('verify_len')}={so.verify_len} exceeds the "
+                         f"block size {drafter.config.block_size}")
+  if not so.calibrate:  # ablation: drafts without the bonus-guided calibration
+    drafter = drafter._replace(config=dataclasses.replace(drafter.config, calibrate=False))
+  return drafter
 
 
 def _texts(tokenizer, results: list) -> list:
@@ -392,7 +259,7 @@ def _capacity(cfg, plens, max_new, bs, max_len):
   need = longest + max_new + 2 * bs + 1  # + room for two draft blocks past the end
   if max_len is not None and longest + 1 > max_len:
     raise FlexDraftError(f"a prompt has {longest} tokens, longer than the cache "
-                         f"(max_len={max_len})")
+                         f"(runtime.max_len={max_len})")
   if longest + max_new > cfg.max_position_embeddings:
     raise FlexDraftError(
         f"prompt of {longest} tokens + max_new_tokens={max_new} exceeds the "
@@ -401,26 +268,26 @@ def _capacity(cfg, plens, max_new, bs, max_len):
     return round_up(need, KV_BLOCK)
   if max_len < need:
     raise FlexDraftError(
-        f"max_len={max_len} is too short: a prompt of {longest} tokens + max_new_tokens="
+        f"runtime.max_len={max_len} is too short: a prompt of {longest} tokens + max_new_tokens="
         f"{max_new} needs {need} (with {2 * bs + 1} spare positions for the decode "
         "steps); raise it, or leave it unset")
   most = round_up(cfg.max_position_embeddings + 2 * bs + 1, KV_BLOCK)
   if max_len > most:  # positions past the context are never written: memory for nothing
     raise FlexDraftError(
-        f"max_len={max_len} is beyond the model's context of "
+        f"runtime.max_len={max_len} is beyond the model's context of "
         f"{cfg.max_position_embeddings} (a cache of {most} holds every request): "
         "lower it, or leave it unset")
   return round_up(max_len, KV_BLOCK)
 
 
-def _generate_batch(target, ids, max_new, sp, seed, drafter, mode, opts,
-                    stop_ids, max_len, attn_impl, steps_per_call, draft_dtype=None):
+def _generate_batch(target, ids, max_new, sp, seed, drafter, mode, opts, stop_ids,
+                    runtime: RuntimeOptions, draft_dtype=None):
   cfg = target.config
   mesh = sharding.batch_mesh()
   B, Bp = len(ids), sharding.padded_batch(len(ids), mesh)
   plens = [len(x) for x in ids] + [1] * (Bp - len(ids))  # pad rows start done
   bs = drafter.config.block_size if drafter is not None else 1
-  S = _capacity(cfg, plens, max_new, bs, max_len)
+  S = _capacity(cfg, plens, max_new, bs, runtime.max_len)
   prompt = np.zeros((Bp, round_up(max(plens), 32)), np.int32)
   for i, x in enumerate(ids):
     prompt[i, :len(x)] = x
@@ -432,7 +299,7 @@ def _generate_batch(target, ids, max_new, sp, seed, drafter, mode, opts,
   target = target._replace(
       params=sharding.replicate(mesh, _decoding_params(target.params)))
   drafter = None if drafter is None else drafter._replace(params=dparams)
-  static = dict(cfg=cfg, dcfg=dcfg, sp=sp, attn_impl=attn_impl)
+  static = dict(cfg=cfg, dcfg=dcfg, sp=sp, attn_impl=runtime.attn_impl)
   traced = dict(max_new=jnp.int32(max_new), stop_ids=_stop_array(stop_ids))
   timing.listen()
   t0 = time.perf_counter()
@@ -442,7 +309,7 @@ def _generate_batch(target, ids, max_new, sp, seed, drafter, mode, opts,
   jax.block_until_ready(state)
   t1, w1 = time.perf_counter(), timing.now()
   driver = Driver(target, drafter, mode, opts, static, traced, Bp, S,
-                       steps_per_call=steps_per_call, mesh=mesh)
+                       steps_per_call=runtime.steps_per_call, mesh=mesh)
   state = jax.block_until_ready(driver.run(state, max_new))
   w2 = timing.now()
   # Decode time leaves out compiling and flex's one-time step-cost timing.
@@ -483,7 +350,7 @@ def mode_tau(parts) -> dict:
 
 
 def _merge_stats(parts, mode):
-  s = {"mode": mode, "draft_dtype": parts[0]["draft_dtype"]}
+  s = {"mode": str(mode), "draft_dtype": parts[0]["draft_dtype"]}
   for k in ("prefill_seconds", "decode_seconds", "compile_seconds", "flex_timing_seconds",
             "new_tokens", "decode_tokens", "steps", "committed_tokens",
             "verified_row_steps"):

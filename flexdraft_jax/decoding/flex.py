@@ -32,22 +32,19 @@ time. A batch ends with its slowest row, so at B > 1 the τ that counts is
 what a speculative step gains the row with the most steps left (`row_tau`:
 each row's own progress in speculative steps, or its drafts' confidence, and
 its tokens left).
-The measured costs are kept in a JSON file (see `cost_cache_path`) and in memory.
+The measured costs are kept in a JSON file (step_costs.py) and in memory.
 """
 
 from __future__ import annotations
 
-import contextlib
-import json
-import os
 import sys
-import tempfile
 import time
-import warnings
 
 import jax
 import numpy as np
 
+from flexdraft_jax.decoding import step_costs
+from flexdraft_jax.decoding.options import Mode
 from flexdraft_jax.drafter.model import narrowed_dtype
 from flexdraft_jax.kernels import cpu_matmul
 
@@ -104,31 +101,6 @@ RETIME_STEPS = 2 * MIN_TIMED
 # this factor; beyond it the slowdown is the mode's own (cost_scale).
 MACHINE_DRIFT = 1.5
 
-# Measured step costs of this process: cache path -> {key: costs}.
-_COSTS_IN_MEMORY: dict = {}
-_WARNED: set = set()
-# Cache paths holding something that is not a cost table (another program's
-# file, a folder): never written over; their costs stay in memory.
-_NOT_OURS: set = set()
-
-
-def cost_cache_path(setting="default"):
-  """Where flex keeps measured step costs: a path, or None (memory only).
-
-  `setting` is `generate(cost_cache=...)`: "default" reads
-  `$FLEXDRAFT_COST_CACHE` (a file; empty: memory only), else
-  `$XDG_CACHE_HOME/flexdraft_jax/step_costs.json` (`~/.cache` without it).
-  """
-  if setting != "default":
-    return setting or None
-  env = os.environ.get("FLEXDRAFT_COST_CACHE")
-  if env is not None:
-    return env or None
-  root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"),
-                                                           ".cache")
-  return os.path.join(root, "flexdraft_jax", "step_costs.json")
-
-
 class FlexPolicy:
   """What flex has seen (per-slot acceptance, step costs) and what it chooses.
 
@@ -141,11 +113,11 @@ class FlexPolicy:
     self.buckets, self.time_step = buckets, time_step
     # Parallel mode drafts in the verify forward, before the bonus is known:
     # only for a drafter trained to draft so (DrafterConfig.drafts_blind).
-    self.modes = (("sequential", "parallel") if drafter.config.drafts_blind
-                  else ("sequential",))
+    self.modes = ((Mode.SEQUENTIAL, Mode.PARALLEL) if drafter.config.drafts_blind
+                  else (Mode.SEQUENTIAL,))
     bs = drafter.config.block_size
     self.costs = None              # step costs at the current batch shape
-    self.cost_path = cost_cache_path(getattr(opts, "cost_cache", "default"))
+    self.cost_path = step_costs.cost_cache_path(getattr(opts, "cost_cache", "default"))
     self.ar_hist = 0               # the accept histogram's counts from AR steps
     # Draft slot i (1-based): row-steps where it was verified / accepted.
     self.verified = np.zeros(bs)
@@ -169,7 +141,7 @@ class FlexPolicy:
     self.max_new = None            # each row's token budget (set by the driver)
     self.row_tok = self.row_steps = None  # decayed tokens / steps in speculative chunks
     self._prev_n_out = None
-    self._last_chunk = ("ar", 0)
+    self._last_chunk = (Mode.AR, 0)
     self.timing_spans = []         # (start, end) wall time of step-cost measurements
 
   def observe(self, delta_hist, mode: str, k: int, B: int = 0, steps: int = 0,
@@ -178,7 +150,7 @@ class FlexPolicy:
     a + 1), and the `steps` it ran in `seconds` of wall time; a chunk during
     which JAX compiled something (`compiled`) says nothing about step costs."""
     self._last_chunk = (mode, steps)
-    if mode == "ar":  # τ comes from speculative steps only
+    if mode == Mode.AR:  # τ comes from speculative steps only
       self.ar_hist = self.ar_hist + delta_hist
       self.ar_since_probe += steps
     else:
@@ -200,7 +172,7 @@ class FlexPolicy:
     costs are timed; AR until the next probe is due."""
     if self.opts.flex_threshold != "auto":
       return default
-    if mode == "ar":
+    if mode == Mode.AR:
       if not self.explore_ar:
         return default
       return max(1, min(default, self.probe_at - self.ar_since_probe))
@@ -239,7 +211,7 @@ class FlexPolicy:
     (over RETIME_STEPS steps) and B was not timed again yet (see RETIME)."""
     if B in self.retimed:
       return False
-    for mode in ("ar",) + self.modes:
+    for mode in (Mode.AR,) + self.modes:
       r = self._realized_ratio(B, lambda m, kk: m == mode, RETIME_STEPS)
       if r is not None and not 1.0 / RETIME <= r <= RETIME:
         return True
@@ -255,7 +227,7 @@ class FlexPolicy:
     return sum(r[1] for _, _, r in rows) / predicted
 
   def _cost(self, mode: str, k: int) -> float:
-    return self.costs["ar"] if mode == "ar" else self.costs[mode][str(k)]
+    return self.costs["ar"] if mode == Mode.AR else self.costs[mode][str(k)]
 
   def count_acceptance(self, delta_hist, k: int):
     a = np.arange(len(delta_hist)) - 1
@@ -268,7 +240,7 @@ class FlexPolicy:
     speculation came close (`explore_ar`), until the next probe is due: AR
     steps observe no τ, so the prediction cannot change meanwhile."""
     return (self.opts.flex_threshold == "auto" and self.costs is not None
-            and last_mode == "ar"
+            and last_mode == Mode.AR
             and not (self.explore_ar and self.ar_since_probe >= self.probe_at))
 
   def shape_changed(self):
@@ -283,7 +255,7 @@ class FlexPolicy:
       self.row_tok, self.row_steps = np.zeros(len(n_out)), np.zeros(len(n_out))
       self._prev_n_out = None
     mode, steps = self._last_chunk
-    if self._prev_n_out is not None and mode != "ar" and steps > 0:
+    if self._prev_n_out is not None and mode != Mode.AR and steps > 0:
       self.row_tok *= ACCEPT_DECAY
       self.row_steps *= ACCEPT_DECAY
       self.row_tok[live] += (n_out - self._prev_n_out)[live]
@@ -318,8 +290,8 @@ class FlexPolicy:
     """(mode, k) for the next chunk at batch B (`live` rows live); `k` is the
     verify length the options ask for."""
     if self.opts.flex_threshold != "auto":
-      small = live <= self.opts.flex_threshold and "parallel" in self.modes
-      return ("parallel" if small else "sequential"), k
+      small = live <= self.opts.flex_threshold and Mode.PARALLEL in self.modes
+      return (Mode.PARALLEL if small else Mode.SEQUENTIAL), k
     if self.costs is None:
       self.costs = self.measured[str(B)] = self.measure(state, B, S)
     elif self.timing_was_off(B):
@@ -329,10 +301,10 @@ class FlexPolicy:
     self._see_confidence(state)
     self._see_rows(state)
     rates = self.predicted_rates(state, B)
-    best = max((c for c in rates if c[0] != "ar"), key=rates.get)
-    ar_rate, best_rate = rates[("ar", 0)], rates[best]
+    best = max((c for c in rates if c[0] != Mode.AR), key=rates.get)
+    ar_rate, best_rate = rates[(Mode.AR, 0)], rates[best]
     self.probing = False
-    speculating = self._last_chunk[0] != "ar"
+    speculating = self._last_chunk[0] != Mode.AR
     if best_rate < (STAY_MARGIN if speculating else AR_MARGIN) * ar_rate:
       # Not worth it by the estimate; probe it now and then if it came close.
       self.explore_ar = best_rate >= EXPLORE * AR_MARGIN * ar_rate
@@ -341,22 +313,23 @@ class FlexPolicy:
         self.probing, self.ar_since_probe = True, 0
         self.ar_stretch *= 2
       else:
-        best = ("ar", 0)
+        best = (Mode.AR, 0)
     else:
       self.ar_stretch, self.ar_since_probe = AR_STRETCH, 0
     name = lambda m, kk: f"{m}:{kk}" if kk else m
     self.choices[str(B)] = {
-        "choice": list(best),
+        "choice": [str(best[0]), best[1]],
         "tokens_per_s": {name(m, kk): round(r * live, 2) for (m, kk), r in rates.items()},
         "measured_tokens_per_s": {name(m, kk): round(r[2] / r[1], 2)
                                   for (m, kk), r in self.realized.get(B, {}).items()
                                   if r[1] > 0},
-        "cost_scale": {**{m: round(self.cost_scale(B, m), 3) for m in ("ar",) + self.modes},
+        "cost_scale": {**{str(m): round(self.cost_scale(B, m), 3)
+                          for m in (Mode.AR,) + self.modes},
                        **{name(m, kk): round(self.cost_scale(B, m, kk), 3)
-                          for m, kk in self.realized.get(B, {}) if m != "ar"}},
+                          for m, kk in self.realized.get(B, {}) if m != Mode.AR}},
         "probe": self.probing,
         "next_probe_after_ar_steps": (self.probe_at - self.ar_since_probe
-                                      if self.explore_ar and best[0] == "ar" else None)}
+                                      if self.explore_ar and best[0] == Mode.AR else None)}
     return best
 
   def _probe_at(self, B: int, best) -> int:
@@ -364,7 +337,7 @@ class FlexPolicy:
     or more where PROBE_STEPS steps of `best` that gain nothing over AR would
     cost more than PROBE_BUDGET of them."""
     ratio = (self._cost(*best) * self.cost_scale(B, *best)
-             / (self.costs["ar"] * self.cost_scale(B, "ar")))
+             / (self.costs["ar"] * self.cost_scale(B, Mode.AR)))
     loss = PROBE_STEPS * max(ratio - 1.0, 0.0)  # AR steps
     return max(self.ar_stretch, int(np.ceil(loss / PROBE_BUDGET)))
 
@@ -381,7 +354,7 @@ class FlexPolicy:
     """{(mode, k): predicted tokens per second per row} for AR and every bucket:
     τ(k) over the step cost, corrected by what the chunks at B rows took."""
     tau = self.tau_by_length(state)
-    rates = {("ar", 0): 1.0 / (self.costs["ar"] * self.cost_scale(B, "ar"))}
+    rates = {(Mode.AR, 0): 1.0 / (self.costs["ar"] * self.cost_scale(B, Mode.AR))}
     for mode in self.modes:
       for k in self.buckets:
         rates[(mode, k)] = self.row_tau(state, tau[k]) / (self.costs[mode][str(k)]
@@ -421,7 +394,7 @@ class FlexPolicy:
     return "|".join(map(str, (
         f"v{STEP_COST_VERSION}", self.target.fingerprint, dev.platform, dev.device_kind,
         len(jax.devices()), jax.__version__, B, S, d.block_size, d.num_layers, d.draft_vocab,
-        self.opts.theta > 0, self.buckets, self.modes,
+        self.opts.threshold > 0, self.buckets, tuple(map(str, self.modes)),
         "cpu_matmul" if cpu_matmul.available() else "dot",
         narrowed_dtype(self.drafter.params) or "draft_dtype=target",
         f"rescore{d.rescore_top}" if d.rescores else "no_rescore")))
@@ -431,12 +404,12 @@ class FlexPolicy:
     the shortest and longest verify length (the rest interpolated linearly in
     k). Cached in memory and, where possible, on disk; `again` times them
     anew (the cached ones were off, see RETIME) and replaces them."""
-    key, table = self.cost_key(B, S), _read_costs(self.cost_path)
+    key, table = self.cost_key(B, S), step_costs.read_costs(self.cost_path)
     if key in table and not again:
       return table[key]
     start = time.time()
     ends = sorted({self.buckets[0], self.buckets[-1]})
-    plan = [("ar", 0)] + [(m, k) for m in self.modes for k in ends]
+    plan = [(Mode.AR, 0)] + [(m, k) for m in self.modes for k in ends]
     where = self.cost_path or "memory only"
     what = ("again: decoding ran off the timed costs" if again else "once")
     print(f"flex: timing {len(plan)} step variants at batch {B} {what} (kept in "
@@ -449,77 +422,16 @@ class FlexPolicy:
                          disable=not sys.stderr.isatty()):
       for mode, k in plan:
         timed[(mode, k)] = min(timed[(mode, k)], self.time_step(state, mode, k))
-    costs = {"ar": timed[("ar", 0)], "measured_k": ends}
+    costs = {"ar": timed[(Mode.AR, 0)], "measured_k": ends}
     for mode in self.modes:
       xs = np.array(ends, float)
       ys = np.array([timed[(mode, k)] for k in ends])
       costs[mode] = {str(k): float(np.interp(k, xs, ys)) for k in self.buckets}
     table[key] = costs
-    _write_costs(self.cost_path, table)
+    step_costs.write_costs(self.cost_path, table)
     self.timing_spans.append((start, time.time()))  # not decoding: left out of its time
     return costs
 
   def stats(self) -> dict:
     return {"flex_threshold": self.opts.flex_threshold, "step_costs": self.measured,
             "flex_choices": self.choices}
-
-
-def _is_cost_table(x) -> bool:
-  """A JSON value as `_write_costs` writes it: {key: {"ar": seconds, ...}}."""
-  return isinstance(x, dict) and all(
-      isinstance(k, str) and isinstance(v, dict) and "ar" in v for k, v in x.items())
-
-
-def _read_costs(path) -> dict:
-  """The cost table at `path` (memory only for None). A file that is not one
-  (unreadable, not JSON, another shape, a folder) is never written over: it
-  warns once and the costs stay in memory."""
-  table = _COSTS_IN_MEMORY.setdefault(path, {})
-  if path and path not in _NOT_OURS and os.path.lexists(path):
-    try:
-      with open(path) as f:
-        on_disk = json.load(f)
-      if not _is_cost_table(on_disk):
-        raise ValueError("not a table of step costs")
-      table.update(on_disk)
-    except (OSError, ValueError) as e:
-      _NOT_OURS.add(path)
-      _warn_once(path, f"flex: {path} is not a step-cost cache this can read ({e}); "
-                 "leaving it as it is and keeping the costs in memory")
-  return table
-
-
-def _write_costs(path, table: dict):
-  """Keeps `table` in memory and writes it to `path` (atomically, through a
-  temporary file that no failure leaves behind); a file that is not ours or
-  cannot be written warns once and is left as it is."""
-  _COSTS_IN_MEMORY[path] = table
-  if not path or path in _NOT_OURS:
-    return
-  tmp = None
-  try:
-    # A read-only file says "leave me" even to a user who could replace it.
-    if os.path.lexists(path) and not (os.path.isfile(path) and os.access(path, os.W_OK)
-                                      and os.stat(path).st_mode & 0o222):
-      raise PermissionError("not a writable file")
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=".tmp",
-                               dir=folder)
-    with os.fdopen(fd, "w") as f:
-      json.dump(table, f, indent=1)
-    os.replace(tmp, path)
-    tmp = None
-  except OSError as e:
-    _warn_once(path, f"flex: cannot write the step-cost cache {path} ({e}); keeping "
-               "the costs in memory")
-  finally:
-    if tmp is not None:
-      with contextlib.suppress(OSError):
-        os.remove(tmp)
-
-
-def _warn_once(key, message: str):
-  if (key, message.split(" (")[0]) not in _WARNED:
-    _WARNED.add((key, message.split(" (")[0]))
-    warnings.warn(message, RuntimeWarning, stacklevel=3)

@@ -15,14 +15,16 @@ import ml_collections
 import numpy as np
 
 from flexdraft_jax.decoding import engine, timing
-from flexdraft_jax.decoding.chunk import parse_flex_threshold
+from flexdraft_jax.decoding.options import (Mode, RuntimeOptions, SpecOptions,
+                                            parse_flex_threshold)
+from flexdraft_jax.decoding.sampling import SamplingParams
 from flexdraft_jax.evaluation import benchmarks
 from flexdraft_jax.model.config import FlexDraftError
 
-# sweep mode -> (engine mode, uses the selective-verification θ)
-MODES = {"ar": ("ar", False), "parallel": ("parallel", False),
-         "parallel_sel": ("parallel", True), "sequential": ("sequential", False),
-         "flex": ("flex", True)}
+# sweep mode -> (generate's mode, uses the selective-verification θ)
+MODES = {"ar": (Mode.AR, False), "parallel": (Mode.PARALLEL, False),
+         "parallel_sel": (Mode.PARALLEL, True), "sequential": (Mode.SEQUENTIAL, False),
+         "flex": (Mode.FLEX, True)}
 
 
 class Cell(NamedTuple):
@@ -66,7 +68,7 @@ class Context(NamedTuple):
   drafters: dict       # variant -> Drafter
   prompts: dict        # dataset -> [BenchmarkPrompt]
   max_len: dict        # (dataset, turn) -> KV-cache length
-  options: dict = {}   # variant -> generate() options of its own (e.g. draft_dtype)
+  options: dict = {}   # variant -> SpecOptions fields of its own (e.g. draft_dtype)
 
 
 def max_lens(target, prompts: dict, config, block: int) -> dict:
@@ -132,7 +134,15 @@ def _generate(ctx: Context, cell: Cell, rows: list, max_new: int = 0) -> tuple:
   ec, tok = ctx.config.eval, ctx.target.tokenizer
   kw = benchmarks.chat_kwargs(ctx.target)
   mode, _ = MODES[cell.mode]
-  drafter = None if mode == "ar" else ctx.drafters[cell.drafter]
+  drafter = None if mode == Mode.AR else ctx.drafters[cell.drafter]
+  # only the modes they act on get the speculative options (generate warns otherwise)
+  spec = SpecOptions()
+  if mode != Mode.AR:
+    spec = SpecOptions(
+        threshold=cell.theta, strategy=ec.strategy, block_size=ec.block_size or None,
+        flex_threshold=(parse_flex_threshold(ec.flex_threshold, "eval.flex_threshold")
+                        if mode == Mode.FLEX else "auto"),
+        **ctx.options.get(cell.drafter, {}))
   answers = [[] for _ in rows]
   outputs = [[] for _ in rows]
   prompt_ids = [[] for _ in rows]
@@ -142,15 +152,13 @@ def _generate(ctx: Context, cell: Cell, rows: list, max_new: int = 0) -> tuple:
     ids = [benchmarks.render(tok, benchmarks.messages_for_turn(rows[i], answers[i]), kw)
            for i in live]
     res = api.generate(
-        ctx.target, ids, max_new_tokens=max_new or ec.max_new_tokens,
-        temperature=cell.temperature,
-        seed=ec.seed, drafter=drafter, mode=mode, batch_size=min(cell.batch_size, len(ids)),
-        max_len=ctx.max_len[(cell.dataset, turn)], threshold=cell.theta,
-        strategy=ec.strategy, attn_impl=ec.attn_impl,
-        # only the modes they act on get them (generate warns otherwise)
-        flex_threshold=parse_flex_threshold(ec.flex_threshold, "eval.flex_threshold") if mode == "flex" else "auto",
-        block_size=(ec.block_size or None) if mode != "ar" else None,
-        **(ctx.options.get(cell.drafter, {}) if mode != "ar" else {}))
+        ctx.target, ids, drafter=drafter, mode=mode,
+        max_new_tokens=max_new or ec.max_new_tokens,
+        sampling=SamplingParams(temperature=cell.temperature), speculation=spec,
+        runtime=RuntimeOptions(batch_size=min(cell.batch_size, len(ids)),
+                               max_len=ctx.max_len[(cell.dataset, turn)],
+                               attn_impl=ec.attn_impl),
+        seed=ec.seed)
     for i, x, toks, text in zip(live, ids, res.token_ids, res.texts):
       answers[i].append(text)
       outputs[i].append([int(t) for t in toks])

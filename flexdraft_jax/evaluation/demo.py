@@ -17,6 +17,7 @@ import argparse
 import sys
 import time
 
+from flexdraft_jax.decoding.options import MODES, Mode
 from flexdraft_jax.evaluation import benchmarks
 from flexdraft_jax.model.config import FlexDraftError
 
@@ -37,7 +38,7 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--model", default="smollm2-135m", help="a load_target spec")
   p.add_argument("--drafter", default=SHIPPED_DRAFTER,
                  help="drafter directory (relative: cwd, then the repo)")
-  p.add_argument("--mode", default="flex", choices=("parallel", "sequential", "flex"))
+  p.add_argument("--mode", default="flex", choices=MODES[1:])
   p.add_argument("--threshold", type=float, default=0.01, help="selective verification θ")
   p.add_argument("--max-new-tokens", type=int, default=64)
   p.add_argument("--batch-size", type=int, default=1,
@@ -50,9 +51,10 @@ def _parser() -> argparse.ArgumentParser:
 def _timed(fd, target, ids, drafter, mode, args) -> tuple:
   """A warm-up generation (it compiles), then `args.repeats` timed ones;
   returns (the last result, tokens/s of each timed run)."""
-  kw = dict(max_new_tokens=args.max_new_tokens, temperature=0.0, drafter=drafter,
-            mode=mode, threshold=args.threshold if mode != "ar" else 0.0,
-            batch_size=args.batch_size)
+  kw = dict(max_new_tokens=args.max_new_tokens, drafter=drafter, mode=mode,
+            speculation=fd.SpecOptions(threshold=args.threshold if mode != Mode.AR
+                                       else 0.0),
+            runtime=fd.RuntimeOptions(batch_size=args.batch_size))
   t = time.perf_counter()
   fd.generate(target, ids, **kw)
   warm = time.perf_counter() - t
@@ -113,7 +115,7 @@ def main(argv=None) -> int:
          for _, text in PROMPTS]
   print(f"decoding {len(ids)} prompts (batch {min(args.batch_size, len(ids))}), max_new_tokens="
         f"{args.max_new_tokens}, T=0:", flush=True)
-  ar, ar_rates = _timed(fd, target, ids, None, "ar", args)
+  ar, ar_rates = _timed(fd, target, ids, None, Mode.AR, args)
   spec, spec_rates = _timed(fd, target, ids, drafter, args.mode, args)
 
   for (kind, text), b in zip(PROMPTS, spec.texts):
@@ -140,7 +142,7 @@ def main(argv=None) -> int:
     if c.get("measured_tokens_per_s"):  # what the decoding chunks really did
       print("  measured while decoding: " + ", ".join(
           f"{m} {v:.1f} tok/s" for m, v in c["measured_tokens_per_s"].items()))
-  if args.mode == "flex" and steps.get("ar"):
+  if args.mode == Mode.FLEX and steps.get(Mode.AR):
     print("flex measured the step costs on this machine and predicted plain AR steps "
           "to be fastest " + ("here" if set(steps) == {"ar"} else "after its "
           "speculative steps") + " (speculative verification does not pay on this "

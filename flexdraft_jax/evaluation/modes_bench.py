@@ -31,11 +31,12 @@ import statistics
 import time
 from typing import Callable, Optional, Sequence
 
+from flexdraft_jax.decoding.options import Mode, RuntimeOptions, SpecOptions
 from flexdraft_jax.evaluation import benchmarks
 from flexdraft_jax.evaluation.cells import check_lossless
 from flexdraft_jax.model.config import FlexDraftError
 
-FIXED_MODES = ("parallel", "sequential")
+FIXED_MODES = (Mode.PARALLEL.value, Mode.SEQUENTIAL.value)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,16 +52,13 @@ class Setting:
   def fixed(self) -> bool:
     return self.mode in FIXED_MODES
 
-  def options(self, drafter) -> dict:
+  def options(self, drafter, cost_cache=None) -> dict:
     """generate() keyword arguments of this setting."""
-    if self.mode == "ar":
-      return {"mode": "ar"}
-    out = dict(mode=self.mode, drafter=drafter, draft_dtype=self.draft_dtype)
-    if self.verify_len is not None:
-      out["verify_len"] = self.verify_len
-    if self.threshold:
-      out["threshold"] = self.threshold
-    return out
+    if self.mode == Mode.AR:
+      return dict(mode=Mode.AR, speculation=SpecOptions(cost_cache=cost_cache))
+    return dict(mode=self.mode, drafter=drafter, speculation=SpecOptions(
+        verify_len=self.verify_len, threshold=self.threshold,
+        draft_dtype=self.draft_dtype, cost_cache=cost_cache))
 
 
 def parse_fixed(specs: Sequence[str], draft_dtype: str = "auto") -> list:
@@ -81,9 +79,9 @@ def parse_fixed(specs: Sequence[str], draft_dtype: str = "auto") -> list:
 def default_settings(fixed: Sequence[Setting], flex_dtypes: Sequence[str] = ("auto",),
                      threshold: float = 0.0) -> list:
   """AR, flex (one per draft dtype: "flex", then "flex:DTYPE"), then `fixed`."""
-  flexes = [Setting("flex" if i == 0 else f"flex:{d}", "flex", None, d, threshold)
+  flexes = [Setting("flex" if i == 0 else f"flex:{d}", Mode.FLEX, None, d, threshold)
             for i, d in enumerate(flex_dtypes)]
-  return [Setting("ar", "ar")] + flexes + list(fixed)
+  return [Setting("ar", Mode.AR)] + flexes + list(fixed)
 
 
 def fit_settings(settings: Sequence[Setting], block_size: int) -> tuple:
@@ -168,8 +166,9 @@ def bench_batch(target, drafter, ids: list, batch_size: int, settings: Sequence[
     t0 = time.monotonic()
     for s in settings:
       res = api.generate(target, ids, max_new_tokens=max_new_tokens, stop=[],
-                         batch_size=batch_size, max_len=max_len, attn_impl=attn_impl,
-                         cost_cache=cost_cache, **s.options(drafter))
+                         runtime=RuntimeOptions(batch_size=batch_size, max_len=max_len,
+                                                attn_impl=attn_impl),
+                         **s.options(drafter, cost_cache))
       st = res.stats
       if r:  # the first round compiles
         timed[s.name]["decode"].append(st["tokens_per_second"])
@@ -193,7 +192,7 @@ def bench_batch(target, drafter, ids: list, batch_size: int, settings: Sequence[
   fixed = [s.name for s in settings if s.fixed]
   best = max(fixed, key=lambda n: row["settings"][n]["median"]) if fixed else None
   row["best_fixed"] = best
-  flex = next((s.name for s in settings if s.mode == "flex"), None)
+  flex = next((s.name for s in settings if s.mode == Mode.FLEX), None)
   if flex is not None:
     row["flex"] = flex_view(last[flex].stats, batch_size, row["settings"])
     if best is not None:
@@ -216,7 +215,7 @@ def _setting_row(target, s: Setting, timed: dict, stats: dict, outputs: list,
          "e2e_median": statistics.median(e2e), "e2e_best": max(e2e),
          "tau": stats["tau"], "mode_tau": stats.get("mode_tau", {}), "steps": stats["steps"],
          "new_tokens": stats["new_tokens"]}
-  if s.mode == "ar":
+  if s.mode == Mode.AR:
     out["lossless"], out["lossless_detail"] = True, {"reference": True}
   else:
     out["lossless"], out["lossless_detail"] = check_outputs(target, reference, outputs, ids,
@@ -245,7 +244,7 @@ def flex_view(stats: dict, batch_size: int, measured: dict) -> dict:
   pred = choice.get("tokens_per_s", {})
   compare = {}
   for name, x in measured.items():
-    key = "ar" if x["mode"] == "ar" else (
+    key = "ar" if x["mode"] == Mode.AR else (
         f"{x['mode']}:{x['verify_len']}" if x["mode"] in FIXED_MODES else None)
     if key is None:
       continue
@@ -267,7 +266,7 @@ def mode_k_steps(mode_log: list, k_log: list) -> list:
   ks = [list(x) for x in k_log]
   total = {}
   for mode, n in mode_log:
-    if mode == "ar":
+    if mode == Mode.AR:
       total[("ar", 0)] = total.get(("ar", 0), 0) + n
       continue
     while n > 0 and ks:
@@ -289,7 +288,7 @@ def markdown(result: dict) -> str:
   """Three tables: throughput (decode-only × AR, end-to-end in parentheses), τ,
   and flex's cost model against what the fixed settings measured."""
   names = [s["name"] for s in result["settings"]]
-  flex = next((s["name"] for s in result["settings"] if s["mode"] == "flex"), None)
+  flex = next((s["name"] for s in result["settings"] if s["mode"] == Mode.FLEX), None)
   others = [n for n in names if n not in ("ar", flex)]
   rows = [r for r in result["results"] if "skipped" not in r]
   skipped = [str(r["batch_size"]) for r in result["results"] if "skipped" in r]
@@ -353,10 +352,10 @@ def load_drafter(path: str, target) -> tuple:
   """(Drafter, note): the drafter saved at `path` (relative: the cwd, then the
   repository), or for an empty `path` a randomly initialised one (2 draft
   layers, block 4) whose note says so — its τ and speedups mean nothing."""
-  from flexdraft_jax.evaluation import sweep
+  from flexdraft_jax.evaluation import plan, sweep
   if path:
     from flexdraft_jax import api
-    return api.load_drafter(sweep.resolve_path(path), target), ""
+    return api.load_drafter(plan.resolve_path(path), target), ""
   config = sweep.default_config()
   config.drafter = ""
   config.random_drafter.update(dict(allow=True, num_layers=2, block_size=4, calib_rank=16))

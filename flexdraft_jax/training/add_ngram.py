@@ -88,11 +88,11 @@ def main(argv):
   import flexdraft_jax as fd
   from flexdraft_jax.drafter import checkpoint, ngram
   from flexdraft_jax.drafter.model import Drafter
-  from flexdraft_jax.evaluation import sweep
-  from flexdraft_jax.training import data
+  from flexdraft_jax.evaluation import plan
+  from flexdraft_jax.training import data, regen_store
   config = FLAGS.config
   target = fd.load_target(config.target)
-  src = sweep.resolve_path(FLAGS.drafter)
+  src = plan.resolve_path(FLAGS.drafter)
   drafter = fd.load_drafter(src, target)
   print(f"add_ngram: {src} -> {FLAGS.out}", flush=True)
   dcfg = dataclasses.replace(
@@ -104,8 +104,8 @@ def main(argv):
   record = {"weight": FLAGS.weight, "context_trigram": FLAGS.context_trigram,
             "context_bigram": FLAGS.context_bigram, "top": FLAGS.top}
   if FLAGS.weight or FLAGS.grid:
-    data.use_packed(config.data)
-    train, held = data.split_eval(data.load_records(config.data.regen_dir),
+    regen_store.use_packed(config.data)
+    train, held = data.split_eval(regen_store.load_records(config.data.regen_dir),
                                   config.train.num_eval)
   if FLAGS.weight or any(float(g.split(":")[0]) for g in FLAGS.grid):
     vocab = (np.asarray(params["vocab"]) if "vocab" in params

@@ -38,14 +38,14 @@ def base_config(name: str) -> ml_collections.ConfigDict:
 
   c.data = ml_collections.ConfigDict()
   c.data.regen_dir = os.path.join(runs_root(), "regen", name)
-  # A packed regenerated dataset (data.pack_regen) to start from: unpacked into
+  # A packed regenerated dataset (regen_store.pack_regen) to start from: unpacked into
   # regen_dir by `train` and `regenerate` (which then answers the rest).
   c.data.packed = ""
   # Training visits a source's answers this many times an epoch (default 1),
   # e.g. {"gsm8k": 2} to lean on math; 0 leaves a source out.
   c.data.source_weights = ml_collections.ConfigDict(dict(
       gsm8k=1, mbpp=1, arena_hard_v01=1, arena_hard_v20=1, self_instruct=1))
-  # ... and an answer to a prompt variant (data.VARIANTS) that many times more,
+  # ... and an answer to a prompt variant (prompt_mix.VARIANTS) that many times more,
   # e.g. {"bench": 2}: the benchmarks' own instructions, whose answers are the
   # ones online τ is measured on.
   c.data.variant_weights = ml_collections.ConfigDict(dict(bench=1, fn=1, doc=1))
@@ -65,7 +65,7 @@ def base_config(name: str) -> ml_collections.ConfigDict:
       mt_bench=os.path.join(root, "mt_bench", "question.jsonl")))
   c.data.suffix = ml_collections.ConfigDict(dict(gsm8k=MATH_SUFFIX, mbpp=CODE_SUFFIX))
   c.data.chat_kwargs = ml_collections.ConfigDict()  # e.g. enable_thinking=False
-  # "" (the mix as above) or a name in data.VARIANTS: the mix's questions framed
+  # "" (the mix as above) or a name in prompt_mix.VARIANTS: the mix's questions framed
   # another way (e.g. "bench": the benchmarks' instructions), answered as new records
   c.data.variant = ""
   c.data.seed = 0
@@ -88,7 +88,7 @@ def base_config(name: str) -> ml_collections.ConfigDict:
       log_every=10, eval_every=100, num_eval=32, eval_batch_size=8,
       eval_anchors=0,  # anchor blocks per held-out sequence (0: anchors_per_seq)
       # Also score the held-out questions' answers to the prompt variants (the
-      # benchmarks' formats; data.VARIANTS) when the data has them.
+      # benchmarks' formats; prompt_mix.VARIANTS) when the data has them.
       eval_variants=True,
       ckpt_every=100, max_to_keep=3, stop_at_step=0, attn_impl="xla",
       # Compute the deep layers' clean K/V of every sequence once and keep it in
@@ -148,14 +148,14 @@ def _int(section, name: str, low: int, prefix: str) -> None:
 
 def check_data_config(dc) -> None:
   """Range checks of `config.data` that need no model (run before loading one)."""
-  from flexdraft_jax.training.data import SOURCES
+  from flexdraft_jax.training.prompt_mix import SOURCES
   for name, low in (("batch_size", 1), ("max_new_tokens", 1), ("max_prompt_tokens", 1)):
     _int(dc, name, low, "data")
   for source, count in dict(dc.mix).items():
     _need(source in SOURCES, f"data.mix.{source}", f"one of {', '.join(SOURCES)}", source)
     _need(isinstance(count, int) and count >= -1, f"data.mix.{source}",
           "an integer >= -1 (-1: all)", count)
-  from flexdraft_jax.training.data import VARIANTS
+  from flexdraft_jax.training.prompt_mix import VARIANTS
   variant = dc.variant
   _need(variant == "" or variant in VARIANTS, "data.variant",
         f"'' or one of {', '.join(VARIANTS)}", variant)

@@ -49,7 +49,8 @@ def benchmark_answers(target, name: str, data_dir: str, *, limit: int,
   prompts = [benchmarks.render(target.tokenizer, benchmarks.messages_for_turn(r, []), kw)
              for r in rows]
   print(f"{name}: answering {len(prompts)} prompts (AR, batch {batch_size})", flush=True)
-  out = fd.generate(target, prompts, max_new_tokens=max_new_tokens, batch_size=batch_size)
+  out = fd.generate(target, prompts, max_new_tokens=max_new_tokens,
+                    runtime=fd.RuntimeOptions(batch_size=batch_size))
   cached[key] = {"prompts": prompts, "answers": [list(map(int, a)) for a in out.token_ids]}
   os.makedirs(os.path.dirname(cache) or ".", exist_ok=True)
   with open(cache + ".tmp", "w") as f:
@@ -141,7 +142,7 @@ def run(argv):
     if len(args) > 1:
       raise FlexDraftError(f"unexpected arguments: {' '.join(args[1:])}")
     import flexdraft_jax as fd
-    from flexdraft_jax.evaluation import sweep
+    from flexdraft_jax.evaluation import plan
     from flexdraft_jax.paths import data_root
     target = fd.load_target(FLAGS.model)
     data_dir = FLAGS.data_dir or data_root()
@@ -151,7 +152,7 @@ def run(argv):
             for name in FLAGS.datasets}
     print(table_header("drafter", "dataset", "prompts"), flush=True)
     for path in FLAGS.drafters:
-      drafter = fd.load_drafter(sweep.resolve_path(path), target)
+      drafter = fd.load_drafter(plan.resolve_path(path), target)
       for name, d in sets.items():
         r = score(target, drafter, d["prompts"], d["answers"], FLAGS.max_new_tokens,
                   blind=FLAGS.blind)

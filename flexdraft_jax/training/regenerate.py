@@ -7,7 +7,7 @@ is done and prompts already in a shard are skipped; the tfds dataset
 
   meta.json   target name + fingerprint, generation settings, throughput
   shards/     shard-NNNNN.jsonl: {uid, source, prompt_ids, answer_ids}
-  tfds/       flexdraft_regen/1.0.0/… (read with data.load_records)
+  tfds/       flexdraft_regen/1.0.0/… (read with regen_store.load_records)
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from flexdraft_jax import run_control
 from flexdraft_jax.model.config import FlexDraftError
 from flexdraft_jax.decoding import timing
 from flexdraft_jax.model import loading
-from flexdraft_jax.training import data
+from flexdraft_jax.training import prompt_mix, regen_store
 from flexdraft_jax.training.config import check_data_config, parse_part
 from flexdraft_jax.util import round_up
 
@@ -44,7 +44,7 @@ def _check_meta(regen_dir: str, meta: dict) -> None:
     return
   with open(path) as f:
     old = json.load(f)
-  for key in data.REGEN_SETTINGS:
+  for key in regen_store.REGEN_SETTINGS:
     if old.get(key) != meta[key]:
       raise FlexDraftError(
           f"{regen_dir} holds answers with {key}={old.get(key)!r}, not "
@@ -76,13 +76,13 @@ def regenerate(config, *, limit: int = 0, max_minutes: float = 0.0) -> dict:
     except KeyboardInterrupt as e:
       if run.get("bar") is not None:
         run["bar"].close()
-      for tmp in glob.glob(os.path.join(data.shard_dir(regen_dir), "*.tmp")):
+      for tmp in glob.glob(os.path.join(regen_store.shard_dir(regen_dir), "*.tmp")):
         os.remove(tmp)
       if run["building"]:  # a half-built dataset: the rerun builds it
-        shutil.rmtree(data.tfds_dir(regen_dir), ignore_errors=True)
-      kept = len(glob.glob(os.path.join(data.shard_dir(regen_dir), "shard-*.jsonl")))
+        shutil.rmtree(regen_store.tfds_dir(regen_dir), ignore_errors=True)
+      kept = len(glob.glob(os.path.join(regen_store.shard_dir(regen_dir), "shard-*.jsonl")))
       raise run_control.stopped(e, f"regenerate after {run['answers']} new answers; "
-                                f"{kept} shards kept in {data.shard_dir(regen_dir)} "
+                                f"{kept} shards kept in {regen_store.shard_dir(regen_dir)} "
                                 "(the dataset is built when a run ends)") from None
 
 
@@ -90,20 +90,20 @@ def _regenerate(config, regen_dir: str, limit: int, max_minutes: float, run: dic
   dc = config.data
   print(f"regenerate: writing to {regen_dir} (--config.data.regen_dir, default "
         "$FLEXDRAFT_RUNS/regen/NAME, else <repo>/../runs/regen/NAME)", flush=True)
-  prompts = data.load_prompts(dc)  # missing prompt files: one line before the model load
+  prompts = prompt_mix.load_prompts(dc)  # missing prompt files: one line before the model load
   target = loading.load_target(config.target, config.dtype)
   chat_kwargs = dict(dc.chat_kwargs)
   meta = {"target": target.name, "target_fingerprint": target.fingerprint,
           "max_new_tokens": dc.max_new_tokens, "chat_kwargs": chat_kwargs,
           "max_prompt_tokens": dc.max_prompt_tokens, "greedy": True}
   _check_meta(regen_dir, meta)
-  data.use_packed(dc)
+  regen_store.use_packed(dc)
 
-  done = {r["uid"] for r in data.read_shards(regen_dir)}
+  done = {r["uid"] for r in regen_store.read_shards(regen_dir)}
   part = parse_part(dc.part) if dc.part else None
   todo, skipped = [], 0
   for p in prompts:
-    if p.uid in done or (part and data.stable_int(p.uid) % part[1] != part[0]):
+    if p.uid in done or (part and prompt_mix.stable_int(p.uid) % part[1] != part[0]):
       continue
     ids = prompt_ids(target.tokenizer, p.text, chat_kwargs)
     if len(ids) > dc.max_prompt_tokens:
@@ -122,7 +122,8 @@ def _regenerate(config, regen_dir: str, limit: int, max_minutes: float, run: dic
         flush=True)
 
   from flexdraft_jax.decoding.engine import generate
-  shard = data.next_shard_index(regen_dir)
+  from flexdraft_jax.decoding.options import RuntimeOptions
+  shard = regen_store.next_shard_index(regen_dir)
   # Regeneration's rate: every answer token per second of `generate` calls
   # (prefill included: it is part of answering a prompt).
   new_tokens, gen_seconds = 0, 0.0
@@ -138,7 +139,7 @@ def _regenerate(config, regen_dir: str, limit: int, max_minutes: float, run: dic
     chunk = todo[start:start + dc.batch_size]
     t0 = time.perf_counter()
     res = generate(target, [ids for _, ids in chunk], max_new_tokens=dc.max_new_tokens,
-                   temperature=0.0, batch_size=len(chunk), max_len=max_len)
+                   runtime=RuntimeOptions(batch_size=len(chunk), max_len=max_len))
     dt = time.perf_counter() - t0
     records = []
     for (p, ids), ans in zip(chunk, res.token_ids):
@@ -147,7 +148,7 @@ def _regenerate(config, regen_dir: str, limit: int, max_minutes: float, run: dic
       records.append({"uid": p.uid, "source": p.source, "prompt_ids": ids,
                       "answer_ids": ans, "stopped": bool(ans and ans[-1] in eos)})
     with run_control.critical():  # a shard is written whole or not at all
-      data.write_shard(regen_dir, shard, records)
+      regen_store.write_shard(regen_dir, shard, records)
       run["answers"] += len(records)
     shard += 1
     gen_seconds += dt
@@ -156,11 +157,11 @@ def _regenerate(config, regen_dir: str, limit: int, max_minutes: float, run: dic
   bar.close()
   meta.update(last_run_new_tokens=new_tokens, last_run_seconds=round(gen_seconds, 2),
               last_run_tokens_per_s=round(timing.tokens_per_second(new_tokens, gen_seconds), 2),
-              records=len(data.read_shards(regen_dir)))
+              records=len(regen_store.read_shards(regen_dir)))
   with run_control.critical():
     _write_meta(regen_dir, meta)
   run["building"] = True
-  meta["tfds_dir"] = data.build_dataset(regen_dir)
+  meta["tfds_dir"] = regen_store.build_dataset(regen_dir)
   print(json.dumps(meta), flush=True)
   return meta
 

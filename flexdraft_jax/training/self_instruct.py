@@ -319,7 +319,7 @@ def candidate_ids(tokenizer, cand: Candidate, chat_kwargs: dict) -> list:
 
 
 def _batch_seed(seed: int, batch: int) -> int:
-  from flexdraft_jax.training.data import stable_int
+  from flexdraft_jax.training.prompt_mix import stable_int
   return stable_int(f"{SOURCE}:{seed}:{batch}") & 0x7FFFFFFF
 
 
@@ -342,6 +342,8 @@ def make_questions(target, num: int, gen: dict, *, avoid=(), rows=(), chat_kwarg
   resumed. `on_batch(rows, seconds)` after each batch; `max_batches` > 0
   stops after that many new batches."""
   from flexdraft_jax.decoding.engine import generate
+  from flexdraft_jax.decoding.options import RuntimeOptions
+  from flexdraft_jax.decoding.sampling import SamplingParams
   from flexdraft_jax.util import round_up
   rows, bs = list(rows), gen["batch_size"]
   seen = {content_words(r["question"]) for r in rows}
@@ -359,8 +361,9 @@ def make_questions(target, num: int, gen: dict, *, avoid=(), rows=(), chat_kwarg
       raise FlexDraftError(f"a self-instruct prompt is over {MAX_PROMPT_TOKENS} tokens")
     t0 = time.perf_counter()
     res = generate(target, ids, max_new_tokens=gen["max_new_tokens"],
-                   temperature=gen["temperature"], top_p=gen["top_p"],
-                   seed=_batch_seed(gen["seed"], batch), batch_size=bs, max_len=max_len)
+                   sampling=SamplingParams(temperature=gen["temperature"], top_p=gen["top_p"]),
+                   runtime=RuntimeOptions(batch_size=bs, max_len=max_len),
+                   seed=_batch_seed(gen["seed"], batch))
     dt = time.perf_counter() - t0
     for c, text in zip(chunk, res.texts):
       if c.index <= last or len(rows) >= num:

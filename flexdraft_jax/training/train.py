@@ -46,7 +46,8 @@ from flexdraft_jax.drafter.model import (Drafter, DrafterConfig, init_draft_para
                                          trainable)
 from flexdraft_jax.model.config import FlexDraftError
 from flexdraft_jax.model import loading, transformer
-from flexdraft_jax.training import checkpoints, data, kv_cache, loss as loss_lib, sharding
+from flexdraft_jax.training import (checkpoints, data, kv_cache, loss as loss_lib, regen_store,
+                                    sharding)
 from flexdraft_jax.training.config import check_train_config
 from flexdraft_jax.training.drafter_init import draft_vocab, warm_start
 from flexdraft_jax.training.metrics_log import MetricsLog
@@ -106,15 +107,15 @@ def setup(config, workdir=None) -> Setup:
                          f"{dcfg.block_size}")
 
   # The data's checks come before the (slow) target load.
-  data.use_packed(config.data)
-  records = data.load_records(config.data.regen_dir)
+  regen_store.use_packed(config.data)
+  records = regen_store.load_records(config.data.regen_dir)
   num_eval = min(tc.num_eval, len(records) // 5)
   train_recs, eval_recs = data.split_eval(records, num_eval)
   # The held-out questions again, in the prompt variants' (the benchmarks') formats.
   variant_recs = data.held_out_variants(records, num_eval) if tc.eval_variants else []
   data.check_anchors(train_recs, tc.seq_len, dcfg.block_size)
   target = loading.load_target(config.target, config.dtype)
-  data.check_made_by(config.data.regen_dir, target)
+  regen_store.check_made_by(config.data.regen_dir, target)
   cfg = target.config
   dcfg.validate(cfg)
   pack = functools.partial(data.Packer, seq_len=tc.seq_len, block_size=dcfg.block_size,

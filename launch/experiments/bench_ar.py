@@ -63,8 +63,9 @@ def copy_bandwidth(mb: int, threads: int, reps: int = 5) -> float:
 
 def bench_ours(target, ids: list, max_new: int, repeats: int) -> dict:
   import flexdraft_jax
-  run = lambda: flexdraft_jax.generate(target, ids, max_new_tokens=max_new, stop=[],
-                                       batch_size=len(ids), mode="ar").stats
+  run = lambda: flexdraft_jax.generate(
+      target, ids, max_new_tokens=max_new, stop=[], mode="ar",
+      runtime=flexdraft_jax.RuntimeOptions(batch_size=len(ids))).stats
   run()  # compile + warm
   stats = [run() for _ in range(repeats)]
   for st in stats:

@@ -50,10 +50,10 @@ FLAGS = flags.FLAGS
 def main(argv):
   del argv
   import flexdraft_jax as fd
-  from flexdraft_jax.evaluation import modes_bench, sweep
+  from flexdraft_jax.evaluation import modes_bench, plan
   from flexdraft_jax.paths import data_root
   target = fd.load_target("smollm2-135m", layout="layers")
-  drafter = fd.load_drafter(sweep.resolve_path(FLAGS.drafter), target)
+  drafter = fd.load_drafter(plan.resolve_path(FLAGS.drafter), target)
   sizes = [int(b) for b in FLAGS.batch_sizes]
   settings = modes_bench.default_settings(
       modes_bench.parse_fixed(FLAGS.fixed, FLAGS.draft_dtypes[0]), FLAGS.draft_dtypes,

@@ -48,10 +48,10 @@ def main(argv):
 
   import flexdraft_jax as fd
   from flexdraft_jax.decoding import chunk
-  from flexdraft_jax.evaluation import sweep
+  from flexdraft_jax.evaluation import plan
 
   target = fd.load_target("smollm2-135m", layout="layers")
-  drafter = fd.load_drafter(sweep.resolve_path(FLAGS.drafter), target)
+  drafter = fd.load_drafter(plan.resolve_path(FLAGS.drafter), target)
   (tp, dp, state), kw = capture.first_chunk(target, drafter, [PROMPT] * FLAGS.batch)
   real = chunk.run_chunk
   weights = {"transposed": (tp, dp),

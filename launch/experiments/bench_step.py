@@ -72,10 +72,10 @@ def matmul_peak() -> float:
 def main(argv):
   del argv
   import flexdraft_jax as fd
-  from flexdraft_jax.evaluation import benchmarks, sweep
+  from flexdraft_jax.evaluation import benchmarks, plan
   from flexdraft_jax.paths import data_root
   target = fd.load_target("smollm2-135m", layout="layers")
-  drafter = fd.load_drafter(sweep.resolve_path(FLAGS.drafter), target)
+  drafter = fd.load_drafter(plan.resolve_path(FLAGS.drafter), target)
   cfg, dcfg = target.config, drafter.config
   kw = benchmarks.chat_kwargs(target)
   sizes = [int(b) for b in FLAGS.batch_sizes]
@@ -94,7 +94,8 @@ def main(argv):
     runs = [("ar", 0)] + [(m, k) for m in FLAGS.modes for k in ks]
     ar_ms = None
     for mode, k in runs:
-      opts = {} if mode == "ar" else dict(drafter=drafter, verify_len=k)
+      opts = ({} if mode == "ar" else
+              dict(drafter=drafter, speculation=fd.SpecOptions(verify_len=k)))
       for _ in range(2):  # the first call compiles
         res = fd.generate(target, ids, max_new_tokens=FLAGS.max_new_tokens, stop=[],
                           mode=mode, **opts)

@@ -33,17 +33,17 @@ FLAGS = flags.FLAGS
 def main(argv):
   del argv
   import flexdraft_jax as fd
-  from flexdraft_jax.evaluation import sweep
-  from flexdraft_jax.training import data, offline_tau
+  from flexdraft_jax.evaluation import plan
+  from flexdraft_jax.training import data, offline_tau, regen_store
   config = FLAGS.config
-  data.use_packed(config.data)
+  regen_store.use_packed(config.data)
   target = fd.load_target(config.target)
-  parts = data.format_slices(data.load_records(config.data.regen_dir), FLAGS.source,
+  parts = data.format_slices(regen_store.load_records(config.data.regen_dir), FLAGS.source,
                              config.train.num_eval, FLAGS.limit)
   n = FLAGS.max_new_tokens
   print(offline_tau.table_header("drafter", "slice", "answers"), flush=True)
   for path in FLAGS.drafters:
-    drafter = fd.load_drafter(sweep.resolve_path(path), target)
+    drafter = fd.load_drafter(plan.resolve_path(path), target)
     for name, rs in parts.items():
       if not rs:
         print(f"| {path} | {FLAGS.source} {name} | 0 | | | | | | | |", flush=True)

@@ -52,11 +52,11 @@ def main(argv):
   from flexdraft_jax.decoding import chunk, verify
   from flexdraft_jax.decoding.state import KV_BLOCK, deep_pass, draft_tokens
   from flexdraft_jax.drafter.model import Drafter
-  from flexdraft_jax.evaluation import sweep
+  from flexdraft_jax.evaluation import plan
   from flexdraft_jax.model import transformer
 
   target = fd.load_target("smollm2-135m", layout="layers")
-  drafter = fd.load_drafter(sweep.resolve_path(FLAGS.drafter), target)
+  drafter = fd.load_drafter(plan.resolve_path(FLAGS.drafter), target)
   ks = [int(k) for k in FLAGS.ks]
   # The decode state of a real run: the first chunk's arguments, copied before
   # the chunk consumes (donates) them.
