@@ -12,7 +12,7 @@ import flexdraft_jax as fd
 from flexdraft_jax.decoding import chunk, driver, engine, flex, step_costs
 from flexdraft_jax.drafter import compat
 from flexdraft_jax.drafter.model import init_draft_params
-from flexdraft_jax.model import transformer
+from flexdraft_jax.model import pytree, transformer
 from flexdraft_jax.evaluation.cells import check_lossless
 from tests.decoding_util import bigram_drafter, random_drafter, tiny_target, vocab_drafter
 
@@ -216,7 +216,7 @@ def test_drafter_for_another_target_is_refused(target):
 def test_per_layer_target_decodes_alike_without_a_second_copy(target):
   """A target loaded with layout="layers" is decoded as is (no per-layer copy
   next to a stacked one), fits the same drafters and gives the same tokens."""
-  per_layer = target._replace(params=transformer.unstack_layers(target.params))
+  per_layer = target._replace(params=pytree.unstack_layers(target.params))
   assert engine._decoding_params(per_layer.params) is per_layer.params
   drafter = random_drafter(target, noise=0.5)
   compat.check_compatible(drafter, per_layer)
@@ -364,13 +364,13 @@ def test_narrowed_draft_params_and_the_default_where_the_kernel_runs(target, mon
   for key in ("gate", "up", "down"):  # the deep layers' MLP, [out, in], bf16
     np.testing.assert_array_equal(
         bf16["deep_mlp"][0][key + "_t"],
-        transformer.layer_leaf(target.params, key, n - L).T.astype(jnp.bfloat16))
+        pytree.layer_leaf(target.params, key, n - L).T.astype(jnp.bfloat16))
   assert bf16["layers"][0]["q_t"].dtype == jnp.bfloat16
   assert bf16["calib"]["w1_t"].dtype == jnp.bfloat16 and bf16["calib"]["b1"].dtype == jnp.float32
   assert target.params["embed"].dtype == jnp.float32  # the target's own stay as they are
   # the draft pass: hidden states within bf16's precision of the full one
   B, S = 2, 128
-  cache = transformer.KVCache.zeros(cfg, B, S, jnp.float32)
+  cache = pytree.KVCache.zeros(cfg, B, S, jnp.float32)
   prompt = jnp.asarray([[5, 9, 12, 7], [3, 4, 8, 1]])
   _, _, cache = transformer.forward(target.params, cfg, cache, prompt,
                                     jnp.broadcast_to(jnp.arange(4), (B, 4)))
@@ -892,7 +892,7 @@ def test_a_drafter_reading_the_bonus_decodes_losslessly_without_parallel(
 
   def first_drafts(d):
     cfg = target.config
-    cache = transformer.KVCache.zeros(cfg, 1, 32, jnp.float32)
+    cache = pytree.KVCache.zeros(cfg, 1, 32, jnp.float32)
     st = state_lib.prefill(target.params, cfg, cache, jnp.array([[5, 9, 12, 7]]),
                            jnp.array([4]), jnp.array([True]), jax.random.PRNGKey(0),
                            sp=SamplingParams(), max_new=8, out_len=8, stop_ids=jnp.array([-1]),

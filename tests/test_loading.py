@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from flexdraft_jax.model import loading
+from flexdraft_jax.model import loading, pytree
 from flexdraft_jax.model import transformer as tr
 from flexdraft_jax.model.config import FlexDraftError
 from flexdraft_jax.model.loading import load_target
@@ -24,7 +24,7 @@ def jax_logits(target, ids_BxT: np.ndarray) -> np.ndarray:
   """fp32 logits `[B, T, V]` of a clean prefill from position 0 (no TF32 on GPU)."""
   cfg, params = target.config, target.params
   B, T = ids_BxT.shape
-  cache = tr.KVCache.zeros(cfg, B, T, jnp.float32)
+  cache = pytree.KVCache.zeros(cfg, B, T, jnp.float32)
   pos_BxT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
   with jax.default_matmul_precision("highest"):
     h, _, _ = tr.forward(params, cfg, cache, jnp.asarray(ids_BxT, jnp.int32), pos_BxT)
@@ -96,19 +96,19 @@ def test_per_layer_layout_holds_the_same_weights(tiny_hf, name):
   cfg, layers = per_layer.config, per_layer.params["layers"]
   assert isinstance(layers, list) and len(layers) == cfg.num_layers
   assert per_layer.fingerprint == stacked.fingerprint
-  assert tr.layer_keys(per_layer.params) == list(stacked.params["layers"])
+  assert pytree.layer_keys(per_layer.params) == list(stacked.params["layers"])
   for i, layer in enumerate(layers):
     # the matmul weights transposed, [out, in], the rest as they are
-    assert set(layer) == {k + "_t" if k in tr.MATMUL_KEYS else k
+    assert set(layer) == {k + "_t" if k in pytree.MATMUL_KEYS else k
                           for k in stacked.params["layers"]}
     for k, w in stacked.params["layers"].items():
-      np.testing.assert_array_equal(tr.layer_leaf(per_layer.params, k, i), w[i])
-      if k in tr.MATMUL_KEYS:
+      np.testing.assert_array_equal(pytree.layer_leaf(per_layer.params, k, i), w[i])
+      if k in pytree.MATMUL_KEYS:
         np.testing.assert_array_equal(layer[k + "_t"], np.asarray(w[i]).T)
   # the unrolled forward reads it and gives the stacked scan's logits
   ids = np.random.default_rng(1).integers(0, cfg.vocab_size, (2, 7))
   pos = jnp.broadcast_to(jnp.arange(7, dtype=jnp.int32), (2, 7))
-  cache = tr.KVCache.zeros(cfg, 2, 7, jnp.float32, per_layer=True)
+  cache = pytree.KVCache.zeros(cfg, 2, 7, jnp.float32, per_layer=True)
   with jax.default_matmul_precision("highest"):
     h, _, _ = tr.forward(per_layer.params, cfg, cache, jnp.asarray(ids, jnp.int32), pos)
     got = np.asarray(tr.logits(per_layer.params, cfg, h))

@@ -12,7 +12,7 @@ from tests import tiny
 
 from flexdraft_jax.drafter.model import (Drafter, DrafterConfig, DraftModel, draft_logits,
                                          init_draft_params, num_params)
-from flexdraft_jax.model import transformer
+from flexdraft_jax.model import pytree, transformer
 from flexdraft_jax.model.random_target import RANDOM_CONFIGS
 from flexdraft_jax.training import steps
 from flexdraft_jax.training.config import base_config
@@ -30,13 +30,13 @@ def test_init_builds_a_drafter_for_a_new_target_shape():
   target, draft = variables["params"], variables["draft"]
   # the target as the modules declare it, the loaders' layout
   assert {k: v.shape for k, v in target.items() if k != "layers"} == \
-      transformer.global_shapes(cfg)
+      pytree.global_shapes(cfg)
   assert {k: v.shape[1:] for k, v in target["layers"].items()} == \
-      transformer.layer_shapes(cfg)
+      pytree.layer_shapes(cfg)
   # the drafter: the attention of the last 2 layers (copied), mask, calibration
   assert sorted(draft) == ["calib", "layers", "mask"]
   assert sorted(draft["layers"]) == sorted(
-      k for k in transformer.layer_shapes(cfg) if k in transformer.ATTN_KEYS)
+      k for k in pytree.layer_shapes(cfg) if k in pytree.ATTN_KEYS)
   for k, w in draft["layers"].items():
     np.testing.assert_array_equal(w, target["layers"][k][-2:])
   assert draft["mask"].shape == (48,)
@@ -49,9 +49,9 @@ def test_init_builds_a_drafter_for_a_new_target_shape():
   jax.tree.map(np.testing.assert_array_equal, again["layers"], draft["layers"])
   np.testing.assert_array_equal(again["calib"]["w2"], draft["calib"]["w2"])
   # and the pair runs: one mask group through the deep layers, drafted
-  masks = transformer.MaskRows(jnp.array([[3, 4, 5, 6]]), jnp.array([[2] * 4]),
+  masks = pytree.MaskRows(jnp.array([[3, 4, 5, 6]]), jnp.array([[2] * 4]),
                                jnp.zeros((4,), jnp.int32))
-  cache = transformer.KVCache.zeros(cfg, 1, 8, jnp.float32)
+  cache = pytree.KVCache.zeros(cfg, 1, 8, jnp.float32)
   _, hm, _ = transformer.Transformer(cfg).apply(
       variables, cache, None, None, masks=masks, num_draft_layers=2, method="forward")
   lg = draft_logits(target, cfg, Drafter(dcfg, draft), hm, jnp.ones((1, 4), jnp.int32))

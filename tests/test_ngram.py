@@ -15,7 +15,7 @@ from flexdraft_jax.decoding.sampling import SamplingParams
 from flexdraft_jax.drafter import checkpoint, ngram
 from flexdraft_jax.drafter.model import (Drafter, DrafterConfig, draft_logits,
                                          init_draft_params, rescored_drafts, trainable)
-from flexdraft_jax.model import transformer
+from flexdraft_jax.model import pytree
 from tests.decoding_util import ngram_drafter, random_drafter, tiny_target
 from tests.test_decoding import assert_lossless, prompts_for
 
@@ -113,7 +113,7 @@ def test_decoding_keeps_each_row_s_text_and_drafts_from_it(target):
   cfg, sp = target.config, SamplingParams()
   prompt = jnp.array([[5, 9, 12, 7, 3], [2, 3, 4, 1, 0]])
   plen = jnp.array([5, 4])
-  st = state_lib.prefill(target.params, cfg, transformer.KVCache.zeros(cfg, 2, 64, jnp.float32),
+  st = state_lib.prefill(target.params, cfg, pytree.KVCache.zeros(cfg, 2, 64, jnp.float32),
                          prompt, plen, jnp.array([True, True]), jax.random.PRNGKey(0), sp=sp,
                          max_new=20, out_len=20, stop_ids=jnp.array([-1]), drafter=d)
   stop = jnp.array([-1])
@@ -132,7 +132,7 @@ def test_decoding_keeps_each_row_s_text_and_drafts_from_it(target):
     assert int(st.length_B[b]) == len(text) - 1   # the bonus is the last of them
   # drafts: what followed the bonus earlier in the row's text (the row-text
   # weights dominate the random drafter's logits)
-  st = state_lib.prefill(target.params, cfg, transformer.KVCache.zeros(cfg, 1, 64, jnp.float32),
+  st = state_lib.prefill(target.params, cfg, pytree.KVCache.zeros(cfg, 1, 64, jnp.float32),
                          jnp.array([[1, 4, 7] * 3]), jnp.array([9]), jnp.array([True]),
                          jax.random.PRNGKey(0), sp=sp, max_new=8, out_len=8, stop_ids=stop,
                          drafter=d)

@@ -17,7 +17,7 @@ from tests import data_fixture, tiny  # noqa: E402
 
 from flexdraft_jax.drafter import checkpoint as drafter_ckpt  # noqa: E402
 from flexdraft_jax.drafter.model import DrafterConfig, init_draft_params  # noqa: E402
-from flexdraft_jax.model import transformer  # noqa: E402
+from flexdraft_jax.model import pytree, transformer  # noqa: E402
 from flexdraft_jax.model.config import FlexDraftError  # noqa: E402
 from flexdraft_jax.training import (data, kv_cache, loss as loss_lib, prompt_mix,  # noqa: E402
                                     regen_store, sharding, train)
@@ -286,7 +286,7 @@ def test_dual_path_clean_rows_equal_target(name):
   pos = jnp.broadcast_to(jnp.arange(12), (2, 12))
   anchors = jnp.array([[2, 6], [0, 7]])
   masks = loss_lib.mask_rows(anchors, dcfg.block_size)
-  zeros = transformer.KVCache.zeros(cfg, 2, 12, jnp.float32)
+  zeros = pytree.KVCache.zeros(cfg, 2, 12, jnp.float32)
   h_ref, _, cache_ref = transformer.forward(t.params, cfg, zeros, tokens, pos)
   h, hm, cache = transformer.forward(t.params, cfg, zeros, tokens, pos, draft=draft,
                                      masks=masks, num_draft_layers=2)
@@ -788,7 +788,7 @@ def _greedy_reference(t, prompt_ids, max_new):
   T = len(prompt_ids) + max_new
   fwd = jax.jit(lambda toks: transformer.logits(
       t.params, t.config, transformer.forward(
-          t.params, t.config, transformer.KVCache.zeros(t.config, 1, T, jnp.float32),
+          t.params, t.config, pytree.KVCache.zeros(t.config, 1, T, jnp.float32),
           toks, jnp.arange(T)[None])[0]))
   ids = list(prompt_ids)
   for _ in range(max_new):
@@ -1194,7 +1194,7 @@ def test_bonus_input_drafts_the_same_in_training_and_decoding(target):
   bs, a = drafter.config.block_size, 9
   rng = np.random.RandomState(3)
   prefix = jnp.asarray(rng.randint(3, 90, size=(1, a + 1)), jnp.int32)
-  cache = transformer.KVCache.zeros(cfg, 1, 32, jnp.float32)
+  cache = pytree.KVCache.zeros(cfg, 1, 32, jnp.float32)
   pos = jnp.arange(a + 1, dtype=jnp.int32)[None]
   _, _, cache = transformer.forward(target.params, cfg, cache, prefix, pos)
 

@@ -16,7 +16,7 @@ from flexdraft_jax.decoding import ar, parallel, sequential, verify
 from flexdraft_jax.decoding.options import Mode, SpecOptions
 from flexdraft_jax.decoding.state import DecodeState, prefill
 from flexdraft_jax.drafter.model import Drafter
-from flexdraft_jax.model import transformer
+from flexdraft_jax.model import pytree
 
 
 def group_buckets(bs: int, opts: SpecOptions) -> tuple:
@@ -39,9 +39,9 @@ def prefill_batch(target_params, draft_params, prompt_BxP, plen_B, valid_B, key,
              cfg, dcfg, S, sp, max_new, out_len, stop_ids, attn_impl,
              cache_sharding=None):
   B = prompt_BxP.shape[0]
-  cache = transformer.KVCache.zeros(
+  cache = pytree.KVCache.zeros(
       cfg, B, S, target_params["embed"].dtype,
-      per_layer=transformer.is_per_layer(target_params))
+      per_layer=pytree.is_per_layer(target_params))
   if cache_sharding is not None:
     cache = jax.lax.with_sharding_constraint(cache, cache_sharding)
   drafter = None if dcfg is None else Drafter(dcfg, draft_params)

@@ -24,7 +24,7 @@ from flexdraft_jax.decoding.state import KV_BLOCK
 from flexdraft_jax.drafter.model import (Drafter, draft_head, narrow_draft_params,
                                          narrowed_dtype)
 from flexdraft_jax.kernels import cpu_matmul
-from flexdraft_jax.model import transformer
+from flexdraft_jax.model import pytree
 from flexdraft_jax.model.config import FlexDraftError, FlexDraftWarning
 from flexdraft_jax.util import round_up
 
@@ -204,7 +204,7 @@ _narrowed = collections.OrderedDict()
 
 def _draft_decoding_params(target_params, cfg, draft_params, dtype=None):
   """The draft pytree for decoding: per-layer (matmul weights `[out, in]`, see
-  `transformer.decode_layer`), the calibration's too, and with a draft
+  `pytree.decode_layer`), the calibration's too, and with a draft
   vocabulary its draft head (those rows of the LM head) gathered once here,
   not every step. With `dtype` the draft pass reads its weights narrowed
   (`narrow_draft_params`), a copy cached per (target, drafter) pair."""
@@ -222,18 +222,18 @@ def _draft_decoding_params(target_params, cfg, draft_params, dtype=None):
 
 def _draft_layout(draft_params):
   """A draft pytree per-layer, its calibration MLP's weights transposed too."""
-  params = transformer.unstack_layers(draft_params)
+  params = pytree.unstack_layers(draft_params)
   if "calib" not in params:
     return params
-  return dict(params, calib=transformer.decode_layer(params["calib"], keys=("w1", "w2")))
+  return dict(params, calib=pytree.decode_layer(params["calib"], keys=("w1", "w2")))
 
 
-def _decoding_params(tree, convert=transformer.unstack_layers):
+def _decoding_params(tree, convert=pytree.unstack_layers):
   """`tree` with per-layer weight arrays: decoding reads each layer's weights in
   place instead of slicing a stacked array. A tree already in that layout
   (`load_target(..., layout="layers")`) is used as is; a stacked one gets a
   per-layer copy (`convert`), cached per pytree object."""
-  if transformer.is_per_layer(tree):
+  if pytree.is_per_layer(tree):
     return tree
   return _cached(_unstacked, id(tree), (tree,), lambda: convert(tree))
 

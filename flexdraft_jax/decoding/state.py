@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from flexdraft_jax.decoding.sampling import (SamplingParams, processed_logits,
                                             target_tokens)
 from flexdraft_jax.drafter import model as drafter_model
-from flexdraft_jax.model import transformer
+from flexdraft_jax.model import pytree, transformer
 
 
 # The engine reads the cache in blocks of this many positions, up to the
@@ -25,7 +25,7 @@ KV_BLOCK = 128
 
 
 class DecodeState(NamedTuple):
-  cache: transformer.KVCache
+  cache: pytree.KVCache
   length_B: jax.Array      # int32, committed length c
   bonus_B: jax.Array       # int32, token at position c
   drafts_BxD: jax.Array    # int32 [B, bs-1] (D = 0 without a drafter)
@@ -123,7 +123,7 @@ def mask_block(start_B, limit_B, num_groups: int, bs: int, bonus_B=None):
   pos = start_B[:, None] + g_M[None, :] + j_M[None, :]
   limit = limit_B[:, None] + g_M[None, :]
   bonus = None if bonus_B is None else jnp.broadcast_to(bonus_B[:, None], pos.shape)
-  return transformer.MaskRows(pos_BxM=pos, limit_BxM=limit, group_M=g_M, bonus_BxM=bonus)
+  return pytree.MaskRows(pos_BxM=pos, limit_BxM=limit, group_M=g_M, bonus_BxM=bonus)
 
 
 def prefill(target_params, cfg, cache, prompt_BxP, plen_B, valid_B, key, *,

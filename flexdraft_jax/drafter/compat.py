@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from flexdraft_jax.model import transformer
+from flexdraft_jax.model import pytree
 from flexdraft_jax.model.config import FlexDraftError
 
 
@@ -18,9 +18,9 @@ def check_compatible(drafter, target) -> None:
   if n_draft != dcfg.num_layers:
     raise FlexDraftError(f"drafter has {n_draft} draft layers but its config says "
                          f"{dcfg.num_layers}")
-  want = set(k for k in transformer.layer_keys(target.params) if k in p["layers"])
+  want = set(k for k in pytree.layer_keys(target.params) if k in p["layers"])
   if set(p["layers"]) != want or any(
-      p["layers"][k].shape[1:] != transformer.layer_leaf(target.params, k, 0).shape
+      p["layers"][k].shape[1:] != pytree.layer_leaf(target.params, k, 0).shape
       for k in want):
     raise FlexDraftError("drafter attention shapes do not match the target's layers")
   if dcfg.draft_vocab:

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from flexdraft_jax.drafter import ngram
-from flexdraft_jax.model import transformer
+from flexdraft_jax.model import pytree, transformer
 from flexdraft_jax.model.config import FlexDraftError, ModelConfig
 
 
@@ -167,9 +167,9 @@ class DraftModel(nn.Module):
     """Copies of the target's attention weights in its last L layers."""
     tp, n = self.target.weights(), self.target.cfg.num_layers
     s = n - self.dcfg.num_layers
-    return {k: jnp.stack([transformer.layer_leaf(tp, k, i) for i in range(s, n)]
+    return {k: jnp.stack([pytree.layer_leaf(tp, k, i) for i in range(s, n)]
                          ).astype(self._dtype())
-            for k in transformer.layer_keys(tp) if k in transformer.ATTN_KEYS}
+            for k in pytree.layer_keys(tp) if k in pytree.ATTN_KEYS}
 
   def _init_calib(self):
     cfg, dcfg, dtype = self.target.cfg, self.dcfg, self._dtype()
@@ -351,8 +351,8 @@ def rescored_drafts(cfg: ModelConfig, drafter: Drafter, logits_BxSxV, bonus_B,
 
 
 # The decoding draft pytree's matmul weights (`[out, in]`, see
-# `transformer.decode_layer`) that `narrow_draft_params` may narrow.
-_NARROW_KEYS = tuple(k + "_t" for k in transformer.MATMUL_KEYS) + ("w1_t", "w2_t")
+# `pytree.decode_layer`) that `narrow_draft_params` may narrow.
+_NARROW_KEYS = tuple(k + "_t" for k in pytree.MATMUL_KEYS) + ("w1_t", "w2_t")
 
 
 def narrow_draft_params(target_params, cfg: ModelConfig, draft_params, dtype):
@@ -364,9 +364,9 @@ def narrow_draft_params(target_params, cfg: ModelConfig, draft_params, dtype):
   weights, so decoding stays lossless."""
   n, L = cfg.num_layers, len(draft_params["layers"])
   narrow = lambda d: {k: (v.astype(dtype) if k in _NARROW_KEYS else v) for k, v in d.items()}
-  deep_mlp = [dict({k + "_t": transformer.layer_leaf(target_params, k, i).T.astype(dtype)
+  deep_mlp = [dict({k + "_t": pytree.layer_leaf(target_params, k, i).T.astype(dtype)
                     for k in ("gate", "up", "down")},
-                   post_norm=transformer.layer_leaf(target_params, "post_norm", i))
+                   post_norm=pytree.layer_leaf(target_params, "post_norm", i))
               for i in range(n - L, n)]
   out = dict(draft_params, layers=[narrow(lp) for lp in draft_params["layers"]],
              deep_mlp=deep_mlp)

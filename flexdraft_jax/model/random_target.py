@@ -15,7 +15,7 @@ import json
 import jax.numpy as jnp
 import numpy as np
 
-from flexdraft_jax.model import transformer, weights
+from flexdraft_jax.model import pytree, weights
 from flexdraft_jax.model.config import FlexDraftError, ModelConfig, Target
 
 
@@ -66,7 +66,7 @@ RANDOM_CONFIGS = {
 
 
 def random_params(cfg: ModelConfig, seed: int = 0, dtype=jnp.float32):
-  """A target pytree (layout in model/transformer.py) with N(0, 0.02²) weights
+  """A target pytree (layout in model/pytree.py) with N(0, 0.02²) weights
   and unit norms; small random norm perturbations so norms are not trivially 1."""
   rng = np.random.default_rng(seed)
   n, H, F = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size
@@ -110,4 +110,4 @@ def load(spec: str, dtype, layout: str = "stacked") -> Target:
     raise FlexDraftError(f"random target spec must be random:NAME[:SEED], got {spec!r}")
   weights.check_layout(layout)
   t = random_target(parts[1], int(parts[2]) if len(parts) == 3 else 0, jnp.dtype(dtype))
-  return t if layout == "stacked" else t._replace(params=transformer.unstack_layers(t.params))
+  return t if layout == "stacked" else t._replace(params=pytree.unstack_layers(t.params))

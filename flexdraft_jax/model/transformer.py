@@ -1,21 +1,7 @@
 """Functional decoder for Llama / Qwen2 / Qwen3, with FlexDraft's dual-path deep layers.
 
-The *target pytree* (frozen; weights `[in, out]`, layers stacked on axis 0):
-
-  {"embed": [V, H], "final_norm": [H], "lm_head": [H, V] (untied only),
-   "layers": {"input_norm": [n, H], "post_norm": [n, H],
-              "q": [n, H, N*D], "k": [n, H, K*D], "v": [n, H, K*D], "o": [n, N*D, H],
-              "q_bias"/"k_bias"/"v_bias": [n, ...] (attention_bias only),
-              "q_norm"/"k_norm": [n, D] (qk_norm only),
-              "gate": [n, H, F], "up": [n, H, F], "down": [n, F, H]}}
-
-The per-layer (decoding) layout, `layers` a list of n dicts, holds the matmul
-weights transposed, `[out, in]`, as KEY + "_t" (`decode_layer`, `linear`);
-`layer_leaf` reads either layout as above.
-
-The *draft pytree* (trainable, flexdraft_jax/drafter) holds `mask` [H], the
-draft attention projectors of the last L layers stacked as `layers` [L, ...]
-(same keys as above, attention ones only) and the calibration MLP.
+The target and draft pytrees, their two layouts and the cache and mask-row
+containers are in model/pytree.py.
 
 `Transformer` is the target as a Flax linen module: it owns the target pytree
 as its "params" collection (`init` creates it, the loaders fill it) and reads
@@ -31,7 +17,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any, NamedTuple, Optional
+from typing import Any, Optional
 
 import flax.linen as nn
 import jax
@@ -40,46 +26,8 @@ import jax.numpy as jnp
 from flexdraft_jax.kernels import cpu_matmul
 from flexdraft_jax.model import attention
 from flexdraft_jax.model.config import ModelConfig
-
-ATTN_KEYS = ("q", "k", "v", "o", "q_bias", "k_bias", "v_bias", "q_norm", "k_norm")
-# The matmul weights, `[in, out]`; the per-layer (decoding) layout holds them
-# transposed, `[out, in]`, as KEY + "_t" (see `decode_layer`).
-MATMUL_KEYS = ("q", "k", "v", "o", "gate", "up", "down")
-
-
-class KVCache(NamedTuple):
-  """Per-layer K/V, `[n, B, K, S, D]` (or n arrays `[B, K, S, D]`); slot j
-  holds position j of each row."""
-  k: jax.Array
-  v: jax.Array
-
-  @classmethod
-  def zeros(cls, cfg: ModelConfig, batch: int, max_len: int, dtype, per_layer=False):
-    """Stacked `[n, B, K, S, D]`, or a tuple of n `[B, K, S, D]` arrays."""
-    shape = (batch, cfg.num_kv_heads, max_len, cfg.head_dim)
-    if per_layer:
-      z = lambda: tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers))
-      return cls(z(), z())
-    shape = (cfg.num_layers,) + shape
-    return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
-
-
-class MaskRows(NamedTuple):
-  """Mask-token rows joining at the split layer (SPEC §2).
-
-  pos_BxM: RoPE position of each mask row; limit_BxM: last cache slot it may
-  see; group_M: its group id (rows of one group attend to each other);
-  bonus_BxM: the bonus token of each row's group, for a drafter that reads it
-  at slot 0 (`bonus_in`); None, or -1 for a group, drafts blind (slot 0 is
-  the mask alone: parallel mode, where the bonus is not known yet); block: a
-  static int when the groups are contiguous runs of that many rows (training's anchor blocks), so a
-  mask-only pass scores each row against its own block's keys only.
-  """
-  pos_BxM: jax.Array
-  limit_BxM: jax.Array
-  group_M: jax.Array
-  bonus_BxM: Optional[jax.Array] = None
-  block: Optional[int] = None
+from flexdraft_jax.model.pytree import (
+    KVCache, MaskRows, decode_layer, global_shapes, layer_at, layer_shapes)
 
 
 def rms_norm(x, w, eps):
@@ -117,17 +65,9 @@ def rope(x_BxTxNxD, pos_BxT, cfg: ModelConfig):
   return out.astype(x_BxTxNxD.dtype)
 
 
-def _layer(layers, i):
-  """Layer i's weights from a per-layer list or a stacked dict (a traced i needs
-  the stacked one)."""
-  if isinstance(layers, (list, tuple)):
-    return layers[i]
-  return jax.tree.map(lambda w: w[i], layers)
-
-
 def linear(p, key: str, x_BxTxI):
   """`x @ W` for weight `key` of the dict `p`: stored `[in, out]` as `key`, or
-  `[out, in]` as `key_t` (`decode_layer`; then through `matmul_t`)."""
+  `[out, in]` as `key_t` (`pytree.decode_layer`; then through `matmul_t`)."""
   w_t = p.get(key + "_t")
   if w_t is None:
     return jnp.einsum("BTI,IO->BTO", x_BxTxI, p[key])
@@ -244,27 +184,6 @@ def _layer_step(*, cfg, lp, dp, h_BxTxH, hm_BxMxH, ck, cv, layer, pos_BxT, masks
   return h_BxTxH, hm_BxMxH, ck, cv
 
 
-def layer_shapes(cfg: ModelConfig) -> dict:
-  """Expected per-layer shape of every stacked key for `cfg`."""
-  H, F, D = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
-  shapes = {"input_norm": (H,), "post_norm": (H,),
-            "q": (H, cfg.q_size), "k": (H, cfg.kv_size), "v": (H, cfg.kv_size),
-            "o": (cfg.q_size, H), "gate": (H, F), "up": (H, F), "down": (F, H)}
-  if cfg.attention_bias:
-    shapes.update(q_bias=(cfg.q_size,), k_bias=(cfg.kv_size,), v_bias=(cfg.kv_size,))
-  if cfg.qk_norm:
-    shapes.update(q_norm=(D,), k_norm=(D,))
-  return shapes
-
-
-def global_shapes(cfg: ModelConfig) -> dict:
-  """Expected shape of every non-layer key for `cfg`."""
-  shapes = {"embed": (cfg.vocab_size, cfg.hidden_size), "final_norm": (cfg.hidden_size,)}
-  if not cfg.tie_embeddings:
-    shapes["lm_head"] = (cfg.hidden_size, cfg.vocab_size)
-  return shapes
-
-
 def _init(key: str):
   """A weight's initializer: norms start at one, biases at zero, the rest
   N(0, 0.02²)."""
@@ -283,7 +202,7 @@ class Transformer(nn.Module):
   `layout` is that of `params["layers"]`: "stacked" (`[n, ...]` leaves) or
   "layers" (a list of per-layer dicts; `transposed`: the matmul weights
   `[out, in]` as KEY + "_t"; layers below `first_layer` None, a
-  `deep_layers_view`). `Transformer.of(cfg, params)` reads it off a tree.
+  `pytree.deep_layers_view`). `Transformer.of(cfg, params)` reads it off a tree.
   """
   cfg: ModelConfig
   layout: str = "stacked"
@@ -414,7 +333,7 @@ class Transformer(nn.Module):
       states before the final norm; the cache holds the clean K/V written.
 
     Stacked weights (`[n, ...]` leaves) run as two `lax.scan`s (shallow
-    layers, deep layers); per-layer weights (`unstack_layers`) as a Python
+    layers, deep layers); per-layer weights (`pytree.unstack_layers`) as a Python
     loop: XLA:CPU copies each layer's slice out of stacked weights before its
     matmuls, which doubles the bytes a decode step moves, while separate
     arrays are read in place.
@@ -439,7 +358,7 @@ class Transformer(nn.Module):
 
     def shallow(carry, i):
       h, ck, cv = carry
-      h, _, ck, cv = step(lp=_layer(layers, i), dp=None, h_BxTxH=h, hm_BxMxH=None,
+      h, _, ck, cv = step(lp=layer_at(layers, i), dp=None, h_BxTxH=h, hm_BxMxH=None,
                           ck=ck, cv=cv, layer=i)
       return (h, ck, cv), None
 
@@ -458,7 +377,7 @@ class Transformer(nn.Module):
       # loop: under a gradient a scan stacks each layer's residuals (its cache
       # slice, attention weights) into fresh [L, ...] buffers every step.
       per_layer = lambda c: tuple([None] * s + [c[i - offset] for i in range(s, n)])
-      deep = [None] * s + [_layer(layers, i) for i in range(s, n)]
+      deep = [None] * s + [layer_at(layers, i) for i in range(s, n)]
       return self._layer_loop(deep, KVCache(per_layer(ck), per_layer(cv)), h, s, masks,
                               step, clean)
 
@@ -466,7 +385,7 @@ class Transformer(nn.Module):
 
     def deep(carry, i):
       h, hm, ck, cv = carry
-      h, hm, ck, cv = step(lp=_layer(layers, i), dp=_layer(draft_layers, i - s),
+      h, hm, ck, cv = step(lp=layer_at(layers, i), dp=layer_at(draft_layers, i - s),
                            h_BxTxH=h, hm_BxMxH=hm, ck=ck, cv=cv, layer=i - offset)
       return (h, hm, ck, cv), None
 
@@ -483,7 +402,7 @@ class Transformer(nn.Module):
     for i in range(0 if clean else s, self.cfg.num_layers):
       if i == s and masks is not None:
         hm = self.mask_input(masks, h.dtype)
-      dp = _layer(draft["layers"], i - s) if hm is not None else None
+      dp = layer_at(draft["layers"], i - s) if hm is not None else None
       mp = draft["deep_mlp"][i - s] if hm is not None and "deep_mlp" in draft else None
       h, hm, ck[i], cv[i] = step(lp=layers[i], dp=dp, mp=mp, h_BxTxH=h, hm_BxMxH=hm,
                                  ck=ck[i], cv=cv[i], layer=None)
@@ -520,57 +439,3 @@ def greedy_tokens(params, cfg: ModelConfig, h_BxTxH):
   """`Transformer.greedy_tokens` over the target pytree `params`."""
   return Transformer.of(cfg, params).apply(variables(params), h_BxTxH,
                                            method="greedy_tokens")
-
-
-def deep_layers_view(params, num_draft_layers: int) -> dict:
-  """`params` with per-layer weights for the last `num_draft_layers` layers
-  only (the shallow ones None): all a mask-only pass reads. A trainer makes
-  it once; slicing stacked weights inside each step copies them every step."""
-  layers = params["layers"]
-  n = len(layers) if is_per_layer(params) else jax.tree.leaves(layers)[0].shape[0]
-  s = n - num_draft_layers
-  return dict(params, layers=[None] * s + [_layer(layers, i) for i in range(s, n)])
-
-
-def is_per_layer(params) -> bool:
-  """Whether `params["layers"]` is a list of per-layer dicts (decoding layout)."""
-  return isinstance(params["layers"], (list, tuple))
-
-
-def layer_leaf(params, key: str, i: int):
-  """Layer i's weight `key` as `[in, out]`, in either layout (i may be negative)."""
-  layers = params["layers"]
-  if not is_per_layer(params):
-    return layers[key][i]
-  lp = layers[i]
-  return lp[key] if key in lp else lp[key + "_t"].T
-
-
-def layer_keys(params) -> list:
-  """The per-layer weight names (as `layer_leaf` takes them), in either layout."""
-  layers = params["layers"]
-  return [k.removesuffix("_t") if k.removesuffix("_t") in MATMUL_KEYS else k
-          for k in (layers[0] if is_per_layer(params) else layers)]
-
-
-def decode_layer(layer: dict, keys=MATMUL_KEYS) -> dict:
-  """One layer's weights as the per-layer layout holds them: the matmul
-  weights (`keys`) transposed to `[out, in]` under KEY + "_t" (see `linear`),
-  the rest as they are; each transposed weight is a contiguous copy."""
-  return {(k + "_t" if k in keys else k): (jnp.swapaxes(w, 0, 1) if k in keys else w)
-          for k, w in layer.items()}
-
-
-def unstack_layers(params):
-  """The same pytree with `layers` as a list of per-layer dicts (for decoding).
-
-  Each layer's arrays are copies, so this holds the weights twice for as long
-  as the stacked tree is referenced; `load_target(..., layout="layers")` loads
-  the per-layer layout directly instead.
-  """
-  if is_per_layer(params):
-    return params
-  stacked = params["layers"]
-  n = len(next(iter(stacked.values())))
-  return dict(params, layers=[decode_layer({k: v[i] for k, v in stacked.items()})
-                              for i in range(n)])

@@ -17,16 +17,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from flexdraft_jax.model import transformer
+from flexdraft_jax.model import pytree, transformer
 from flexdraft_jax.model.config import FlexDraftError, ModelConfig
 
 # fetch_global(key) / fetch_layer(key, i) -> host array in target layout.
 FetchGlobal = Callable[[str], np.ndarray]
 FetchLayer = Callable[[str, int], np.ndarray]
-
-
-layer_shapes = transformer.layer_shapes
-global_shapes = transformer.global_shapes
 
 
 def _checked(x: np.ndarray, want: tuple, what: str) -> np.ndarray:
@@ -51,7 +47,7 @@ def build_params(cfg: ModelConfig, fetch_global: FetchGlobal, fetch_layer: Fetch
   layout: "stacked" (`layers[key]` is `[n, ...]`; training scans over it) or
     "layers" (`layers[i][key]`, the matmul weights transposed as KEY + "_t":
     what decoding reads, without ever building the stacked copy; see
-    `transformer.decode_layer`).
+    `pytree.decode_layer`).
   """
   check_layout(layout)
   model = transformer.Transformer(cfg, layout, dtype=dtype)
@@ -59,13 +55,13 @@ def build_params(cfg: ModelConfig, fetch_global: FetchGlobal, fetch_layer: Fetch
   params = {k: jnp.asarray(_checked(fetch_global(k), want[k].shape, k), dtype=dtype)
             for k in want if k != "layers"}
   if layout == "layers":
-    params["layers"] = [transformer.decode_layer(
+    params["layers"] = [pytree.decode_layer(
         {key: jnp.asarray(_checked(fetch_layer(key, i), shape, f"{key}[layer {i}]"),
-                          dtype=dtype) for key, shape in layer_shapes(cfg).items()})
+                          dtype=dtype) for key, shape in pytree.layer_shapes(cfg).items()})
         for i in range(cfg.num_layers)]
   else:
     layers = {}
-    for key, shape in layer_shapes(cfg).items():
+    for key, shape in pytree.layer_shapes(cfg).items():
       per_layer = [_checked(fetch_layer(key, i), shape, f"{key}[layer {i}]")
                    for i in range(cfg.num_layers)]
       layers[key] = jnp.asarray(np.stack(per_layer), dtype=dtype)
@@ -83,7 +79,7 @@ _FINGERPRINT_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_la
 
 
 def _fingerprint_slices(params) -> list:
-  leaf = lambda k, i: transformer.layer_leaf(params, k, i)
+  leaf = lambda k, i: pytree.layer_leaf(params, k, i)
   picks = [params["embed"][:8, :16], params["embed"][-8:, -16:],
            params["final_norm"][:16], leaf("input_norm", -1)[:16],
            leaf("q", 0)[:16, :16], leaf("k", -1)[-16:, -16:],

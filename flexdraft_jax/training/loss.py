@@ -16,18 +16,18 @@ import jax
 import jax.numpy as jnp
 
 from flexdraft_jax.drafter.model import DrafterConfig, DraftModel, draft_head
-from flexdraft_jax.model import transformer
+from flexdraft_jax.model import pytree, transformer
 from flexdraft_jax.model.config import ModelConfig
 
 
-def mask_rows(anchor_BxK, bs: int) -> transformer.MaskRows:
+def mask_rows(anchor_BxK, bs: int) -> pytree.MaskRows:
   """MaskRows for K anchor blocks of `bs` masks each (M = K·bs rows)."""
   B, K = anchor_BxK.shape
   j = jnp.arange(bs, dtype=jnp.int32)
   pos = (anchor_BxK[:, :, None] + 1 + j).reshape(B, K * bs)
   limit = jnp.repeat(anchor_BxK, bs, axis=1)
   group = jnp.repeat(jnp.arange(K, dtype=jnp.int32), bs)
-  return transformer.MaskRows(pos, limit, group, block=bs)
+  return pytree.MaskRows(pos, limit, group, block=bs)
 
 
 def slot_weights(bs: int, gamma: float):
@@ -39,7 +39,7 @@ def slot_weights(bs: int, gamma: float):
 def clean_pass(target_params, cfg: ModelConfig, tokens_BxT, *, attn_impl="xla"):
   """The frozen target over the whole sequence once: (h_BxTxH, cache), no grad."""
   B, T = tokens_BxT.shape
-  cache = transformer.KVCache.zeros(cfg, B, T, target_params["embed"].dtype)
+  cache = pytree.KVCache.zeros(cfg, B, T, target_params["embed"].dtype)
   pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
   h, _, cache = transformer.Transformer.of(cfg, target_params).apply(
       transformer.variables(target_params), cache, tokens_BxT, pos, attn_impl=attn_impl,
@@ -70,7 +70,7 @@ def _cache_from_deep(batch, cfg: ModelConfig, num_draft_layers: int, dtype):
   s = cfg.num_layers - num_draft_layers
   layers = lambda c: tuple([None] * s + [batch[f"deep_{c}{l}"].astype(dtype)
                                          for l in range(num_draft_layers)])
-  return transformer.KVCache(layers("k"), layers("v"))
+  return pytree.KVCache(layers("k"), layers("v"))
 
 
 def loss_sums(draft_params, target_params, cfg: ModelConfig, dcfg: DrafterConfig,
@@ -98,8 +98,8 @@ def loss_sums(draft_params, target_params, cfg: ModelConfig, dcfg: DrafterConfig
       raise ValueError("loss_type='kl' needs the clean pass (no precomputed K/V)")
     h_clean = None
     cache = _cache_from_deep(batch, cfg, dcfg.num_layers, dtype)
-    if not transformer.is_per_layer(target_params):
-      target_params = transformer.deep_layers_view(target_params, dcfg.num_layers)
+    if not pytree.is_per_layer(target_params):
+      target_params = pytree.deep_layers_view(target_params, dcfg.num_layers)
   else:
     h_clean, cache = clean_pass(target_params, cfg, tokens, attn_impl=attn_impl)
   masks = mask_rows(anchor, bs)

@@ -45,7 +45,7 @@ from flexdraft_jax.drafter import checkpoint as drafter_ckpt
 from flexdraft_jax.drafter.model import (Drafter, DrafterConfig, init_draft_params,
                                          trainable)
 from flexdraft_jax.model.config import FlexDraftError
-from flexdraft_jax.model import loading, transformer
+from flexdraft_jax.model import loading, pytree
 from flexdraft_jax.training import (checkpoints, data, kv_cache, loss as loss_lib, regen_store,
                                     sharding)
 from flexdraft_jax.training.config import check_train_config
@@ -174,7 +174,7 @@ def setup(config, workdir=None) -> Setup:
                                             compute, dtype=tc.deep_kv_dtype or None)
     # The steps read the deep layers only: their weights as separate arrays,
     # sliced once here rather than in every step.
-    target_params = jax.jit(functools.partial(transformer.deep_layers_view,
+    target_params = jax.jit(functools.partial(pytree.deep_layers_view,
                                               num_draft_layers=dcfg.num_layers))(
                                                   target_params)
     shardings_["target"] = jax.tree.map(lambda x: x.sharding, target_params)

@@ -3,7 +3,7 @@
   PYTHONPATH=. python launch/experiments/bench_layout.py --batch=1
 
 Decoding holds the target's and the drafter's matmul weights as `[out, in]`
-(`transformer.decode_layer`) and computes `W @ x.T` (`transformer.matmul_t`).
+(`pytree.decode_layer`) and computes `W @ x.T` (`transformer.matmul_t`).
 This times one decode step (AR, sequential at several k) of SmolLM2-135M and
 the shipped drafter with those weights ("transposed") and with the same weights
 as plain `[in, out]` per-layer dicts ("plain", the `x @ W` products decoding

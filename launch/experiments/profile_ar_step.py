@@ -36,12 +36,12 @@ def main(argv):
 
   import flexdraft_jax as fd
   from flexdraft_jax.decoding.state import KV_BLOCK
-  from flexdraft_jax.model import attention, transformer
+  from flexdraft_jax.model import attention, pytree, transformer
 
   B, S, iters = FLAGS.batch, FLAGS.cache_slots, FLAGS.iters
   stacked = fd.load_target("smollm2-135m")
   cfg = stacked.config
-  per_layer = transformer.unstack_layers(stacked.params)
+  per_layer = pytree.unstack_layers(stacked.params)
   pos = jnp.full((B, 1), FLAGS.context, jnp.int32)
   keys = jax.random.split(jax.random.PRNGKey(0), 3)
   tok0 = jnp.zeros((B,), jnp.int32)
@@ -49,7 +49,7 @@ def main(argv):
   q0 = 0.1 * jax.random.normal(keys[1], (B, 1, cfg.num_heads, cfg.head_dim))
 
   def cache(per_layer_cache):
-    c = transformer.KVCache.zeros(cfg, B, S, jnp.float32, per_layer=per_layer_cache)
+    c = pytree.KVCache.zeros(cfg, B, S, jnp.float32, per_layer=per_layer_cache)
     return jax.tree.map(lambda x: x + 0.1, c)
 
   def looped(body, init, *args):
