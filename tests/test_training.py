@@ -1,7 +1,10 @@
 """Training pipeline on a random tiny target (CPU): data, loss, steps, resume, sharding."""
 
+import dataclasses
+import glob
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -11,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import orbax.checkpoint as ocp
 import pytest
 
 from tests import data_fixture, tiny  # noqa: E402
@@ -19,8 +23,9 @@ from flexdraft_jax.drafter import checkpoint as drafter_ckpt  # noqa: E402
 from flexdraft_jax.drafter.model import DrafterConfig, init_draft_params  # noqa: E402
 from flexdraft_jax.model import pytree, transformer  # noqa: E402
 from flexdraft_jax.model.config import FlexDraftError  # noqa: E402
-from flexdraft_jax.training import (data, kv_cache, loss as loss_lib, prompt_mix,  # noqa: E402
-                                    regen_store, sharding, train)
+from flexdraft_jax.training import (checkpoints, data, kv_cache, loss as loss_lib,  # noqa: E402
+                                    prompt_mix, regen_store, sharding, train)
+from flexdraft_jax.training import steps as steps_lib  # noqa: E402
 from flexdraft_jax.training.config import base_config  # noqa: E402
 from flexdraft_jax.paths import data_root  # noqa: E402
 
@@ -637,6 +642,80 @@ def test_max_minutes_ends_the_run_on_time_and_a_rerun_resumes(tmp_path, regen):
   assert resumed.summary["steps"] == 6
   steps = [r["step"] for r in _read_csv(os.path.join(str(tmp_path), "metrics.csv"))]
   assert steps == ["1", "2", "3", "4", "5", "6"]
+
+
+def _old_optimizer(tc, schedule):
+  """The optimizer before `multi_transform` (00d9e48): AdamW's chain over the
+  draft tree alone."""
+  decay_mask = lambda p: jax.tree_util.tree_map_with_path(
+      lambda path, _: path[-1].key in steps_lib.DECAY_KEYS, p)
+  return optax.chain(optax.clip_by_global_norm(tc.clip_norm),
+                     optax.adamw(schedule, b1=tc.b1, b2=tc.b2,
+                                 weight_decay=tc.weight_decay, mask=decay_mask))
+
+
+def test_a_checkpoint_from_before_multi_transform_resumes_exactly(regen, tmp_path):
+  # A run saved while the optimizer state was AdamW's over the draft tree
+  # alone resumes: step, weights and moments carry over, and it trains on as
+  # the same run saved in the current layout does. A checkpoint that fits
+  # neither layout is refused in one line, and nothing in its workdir changes.
+  a, b, c = (str(tmp_path / d) for d in "abc")
+  cfg = tiny.tiny_config(regen[0], num_steps=4, ckpt_every=2, eval_every=2,
+                         stop_at_step=2)
+  train.train(cfg, a)
+  su = train.setup(cfg, a)
+  made_by = {"target": su.target.name, "target_fingerprint": su.target.fingerprint,
+             "drafter": dataclasses.asdict(train.drafter_config(cfg))}
+  mngr = checkpoints.checkpoint_manager(a, cfg.train)
+  start, state, meta = checkpoints.restore(mngr, su.state, made_by)
+  mngr.close()
+
+  # The same state in the old layout, built with the old optimizer.
+  trained = state.opt_state.inner_states[steps_lib.TRAINED].inner_state
+  adam, sched = trained[1][0], trained[1][2]
+  assert int(adam.count) == 2 and any(np.abs(x).max() > 0 for x in
+                                      jax.tree.leaves((adam.mu, adam.nu)))
+  old_tx = _old_optimizer(cfg.train, steps_lib.make_optimizer(cfg.train)[1])
+  clip, (old_adam, decay, old_sched) = old_tx.init(state.params)
+  old = (clip, (old_adam._replace(count=adam.count, mu=adam.mu["draft"],
+                                  nu=adam.nu["draft"]),
+                decay, old_sched._replace(count=sched.count)))
+
+  def save(workdir, opt_state):
+    mngr = checkpoints.checkpoint_manager(workdir, cfg.train)
+    mngr.save(start, args=ocp.args.Composite(
+        state=ocp.args.StandardSave(state._replace(opt_state=opt_state)),
+        meta=ocp.args.JsonSave(meta)))
+    mngr.wait_until_finished()
+    shutil.copy(os.path.join(a, "metrics.csv"), workdir)
+    return mngr
+
+  mngr = save(b, old)
+  got_start, got, _ = checkpoints.restore(mngr, su.state, made_by)
+  mngr.close()
+  assert got_start == start == 2 and int(got.step) == 2
+  assert jax.tree.structure(got.opt_state) == jax.tree.structure(state.opt_state)
+  got_adam = got.opt_state.inner_states[steps_lib.TRAINED].inner_state[1][0]
+  for x, y in zip(jax.tree.leaves((state.params, adam)),
+                  jax.tree.leaves((got.params, got_adam))):
+    np.testing.assert_array_equal(x, y)
+  cfg.train.stop_at_step = 0
+  whole, resumed = train.train(cfg, a), train.train(cfg, b)
+  assert resumed.summary["steps"] == 4
+  p, q = _flat(whole.params), _flat(resumed.params)
+  for k in p:
+    np.testing.assert_array_equal(p[k], q[k])
+  assert ([r["loss"] for r in _read_csv(os.path.join(b, "metrics.csv"))]
+          == [r["loss"] for r in _read_csv(os.path.join(a, "metrics.csv"))])
+
+  save(c, {"not": jnp.zeros(3)}).close()
+  files = {f: open(f, "rb").read() for f in glob.glob(os.path.join(c, "**"), recursive=True)
+           if os.path.isfile(f)}
+  with pytest.raises(FlexDraftError, match="checkpoint 2 does not fit this config"):
+    train.train(cfg, c)
+  assert files == {f: open(f, "rb").read()
+                   for f in glob.glob(os.path.join(c, "**"), recursive=True)
+                   if os.path.isfile(f)}
 
 
 def test_device_pipeline_fits_the_steps_to_its_budget_and_archives(tmp_path, regen):

@@ -1,6 +1,7 @@
-"""The training run's orbax checkpoints: the manager, resuming (exactly, or
-refused in one line when the checkpoints were made by another target or
-drafter shape), and what a killed save leaves behind."""
+"""The training run's orbax checkpoints: the manager, resuming (exactly, also
+from checkpoints saved before the optimizer ran over both modules, or refused
+in one line when the checkpoints were made by another target or drafter
+shape), and what a killed save leaves behind."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
 from flexdraft_jax.model.config import FlexDraftError
+from flexdraft_jax.training import steps
 
 
 def remove_cut_saves(workdir: str) -> None:
@@ -65,12 +67,37 @@ def check_same_run(saved: dict, made_by: dict, where: str) -> None:
         for k in changed), flush=True)
 
 
+def _restore(mngr, step: int, like) -> tuple:
+  """(state, meta) of checkpoint `step`, the state laid out as `like`."""
+  restored = mngr.restore(step, args=ocp.args.Composite(
+      state=ocp.args.StandardRestore(_abstract(like)), meta=ocp.args.JsonRestore()))
+  return restored.state, dict(restored.meta)
+
+
+def _restore_legacy(mngr, step: int, like):
+  """(state, meta) of checkpoint `step` saved before the optimizer ran over
+  both modules (its state AdamW's over the draft tree alone), that state moved
+  into the `multi_transform` layout of `like`; None if it is not one."""
+  old = like._replace(opt_state=steps.legacy_opt_state(like.opt_state))
+  try:
+    state, meta = _restore(mngr, step, old)
+  except (ValueError, TypeError, KeyError):
+    return None
+  if jax.process_index() == 0:
+    print(f"train: note: checkpoint {step} predates the optimizer over both modules; "
+          "its AdamW state resumes in the new layout", flush=True)
+  opt_state = steps.from_legacy_opt_state(state.opt_state, like.opt_state)
+  return state._replace(opt_state=opt_state), meta
+
+
 def restore(mngr, state, made_by: dict):
   """(start step, state, meta) from the latest checkpoint, if any. A run that
   turns the moving average on resumes a checkpoint without one with the
   average started at the restored weights (and one that turns it off drops it).
-  `made_by` (the target and drafter config) goes into the checkpoints' meta,
-  and a checkpoint made by others is refused in one line."""
+  A checkpoint saved before the optimizer ran over both modules resumes
+  exactly too (`_restore_legacy`). `made_by` (the target and drafter config)
+  goes into the checkpoints' meta, and a checkpoint made by others is refused
+  in one line."""
   meta = {"tokens_seen": 0, "best_tau": -1.0, "best_step": -1}
   start = mngr.latest_step() or 0
   if start:
@@ -80,19 +107,21 @@ def restore(mngr, state, made_by: dict):
     had_ema = bool(dict(saved.meta).get("ema", False))
     like = state._replace(ema=state.params if had_ema else None)
     try:
-      restored = mngr.restore(start, args=ocp.args.Composite(
-          state=ocp.args.StandardRestore(_abstract(like)), meta=ocp.args.JsonRestore()))
-    except (ValueError, TypeError, KeyError) as e:  # older checkpoints: no made_by
-      first = (str(e).strip().splitlines() or [""])[0][:200]
-      raise FlexDraftError(f"{where}: checkpoint {start} does not fit this config "
-                           f"({type(e).__name__}: {first}); use another --workdir, or "
-                           "the config it was started with") from None
-    meta, ema = dict(restored.meta), restored.state.ema
+      restored, meta = _restore(mngr, start, like)
+    except (ValueError, TypeError, KeyError) as e:  # older checkpoints
+      legacy = _restore_legacy(mngr, start, like)
+      if legacy is None:
+        first = (str(e).strip().splitlines() or [""])[0][:200]
+        raise FlexDraftError(f"{where}: checkpoint {start} does not fit this config "
+                             f"({type(e).__name__}: {first}); use another --workdir, or "
+                             "the config it was started with") from None
+      restored, meta = legacy
+    ema = restored.ema
     if state.ema is None:
       ema = None
     elif ema is None:
-      ema = jax.jit(lambda p: jax.tree.map(jnp.copy, p))(restored.state.params)
-    state = restored.state._replace(ema=ema)
+      ema = jax.jit(lambda p: jax.tree.map(jnp.copy, p))(restored.params)
+    state = restored._replace(ema=ema)
   meta["ema"] = state.ema is not None
   meta.update(made_by)
   return start, state, meta

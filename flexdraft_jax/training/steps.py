@@ -50,6 +50,29 @@ def param_labels(variables) -> dict:
           "draft": {k: FROZEN if k in FIXED_KEYS else TRAINED for k in variables["draft"]}}
 
 
+def _is_variables(x) -> bool:
+  return isinstance(x, dict) and set(x) == {"draft", "params"}
+
+
+def legacy_opt_state(opt_state):
+  """`opt_state` as checkpoints saved before `multi_transform` hold it: the
+  TRAINED branch's state (AdamW's chain) over the draft tree alone."""
+  inner = opt_state.inner_states[TRAINED].inner_state
+  return jax.tree.map(lambda x: x["draft"] if _is_variables(x) else x, inner,
+                      is_leaf=_is_variables)
+
+
+def from_legacy_opt_state(legacy, like):
+  """The saved AdamW state `legacy` (`legacy_opt_state`'s layout) placed into
+  the TRAINED branch of `like`, an optimizer state of `make_optimizer`'s `tx`
+  (the FROZEN branch holds no state)."""
+  trained = like.inner_states[TRAINED]
+  put = lambda new, old: dict(new, draft=old) if _is_variables(new) else old
+  inner = jax.tree.map(put, trained.inner_state, legacy, is_leaf=_is_variables)
+  return like._replace(inner_states=dict(
+      like.inner_states, **{TRAINED: trained._replace(inner_state=inner)}))
+
+
 def make_optimizer(tc) -> tuple:
   """AdamW (decay on matrices only) + warm-up, then cosine or constant (with
   an optional linear decay over its last `decay_steps`) + global-norm clipping,
