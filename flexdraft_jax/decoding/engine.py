@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from flexdraft_jax.decoding import sharding, timing
+from flexdraft_jax.decoding import memory_maps, sharding, timing
 from flexdraft_jax.decoding.chunk import prefill_batch
 from flexdraft_jax.decoding.driver import Driver
 from flexdraft_jax.decoding.options import (Mode, RuntimeOptions, SpecOptions, _is_int,
@@ -134,6 +134,7 @@ def generate(target, prompts: Sequence, *, drafter: Optional[Drafter] = None,
   narrow = resolve_draft_dtype(speculation.draft_dtype, target.params)
   for start in range(0, len(ids), batch_size):
     chunk = ids[start:start + batch_size]
+    memory_maps.release_if_near_limit()
     toks, st = _generate_batch(target, chunk, max_new_tokens, sampling, seed + start,
                                drafter, mode, speculation, stop_ids, runtime, narrow)
     results[start:start + len(chunk)] = toks
