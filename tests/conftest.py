@@ -150,10 +150,8 @@ def _release_compiled_programs():
   and the next executable to load crashes the process. The persistent compile
   cache makes the recompiles cheap."""
   yield
-  import gc
-  import jax
-  jax.clear_caches()
-  gc.collect()
+  from flexdraft_jax.decoding import memory_maps
+  memory_maps.release()
 
 
 def pytest_configure(config):

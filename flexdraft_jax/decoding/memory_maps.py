@@ -50,6 +50,11 @@ def release_if_near_limit() -> bool:
     return False
   log.warning("flexdraft_jax: %d memory mappings of at most %d (vm.max_map_count); "
               "dropping compiled programs (they recompile when used again)", n, top)
+  release()
+  return True
+
+
+def release() -> None:
+  """Drops every compiled program (and frees its mappings)."""
   jax.clear_caches()
   gc.collect()
-  return True
