@@ -208,6 +208,31 @@ def test_report_speedup_is_tokens_per_second_ratio(tmp_path):
   assert any("2.50× (2.50)" in line for line in report.speedup_table(results, 0.0))
 
 
+def test_ablation_by_dataset_has_a_column_per_dataset_and_marks_missing_cells():
+  def cell(ds, mode, tps, tau, drafter="-", bs=1):
+    key = f"{ds}|bs={bs}|{mode}|T=0|theta=0|drafter={drafter}"
+    return key, {"params": dict(dataset=ds, batch_size=bs, mode=mode, temperature=0.0,
+                                theta=0.0, drafter=drafter),
+                 "n_prompts": 1, "new_tokens": 10, "decode_seconds": 10 / tps,
+                 "prefill_seconds": 1.0, "tokens_per_second": tps, "tau": tau,
+                 "lossless": True, "steps": 4, "timing_runs": 1, "accept_hist": [0, 1]}
+  cells = dict([cell("gsm8k", "ar", 10.0, 1.0), cell("gsm8k", "parallel", 20.0, 2.5, "paper"),
+                cell("mbpp", "ar", 10.0, 1.0), cell("mbpp", "parallel", 15.0, 1.75, "paper")])
+  rows = [{"name": "+ bonus calibration", "note": "",
+           "cells": [k for k in cells if "parallel" in k]},
+          {"name": "sequential", "note": "", "cells": ["gsm8k|bs=1|sequential|T=0|theta=0|"
+                                                       "drafter=paper"]}]
+  results = {"meta": {}, "cells": cells, "ablation": rows,
+             "ablation_settings": {"datasets": ["gsm8k", "mbpp", "mt_bench"]}}
+  lines = report.ablation_by_dataset(results)
+  assert lines[0].startswith("Batch 1:")
+  assert "| variant | mode | gsm8k | mbpp | mt_bench |" in lines
+  # end to end: 10 tokens in 0.5 + 1 s against AR's 1 + 1 s
+  assert "| + bonus calibration | parallel θ=0 | 2.50 / 2.00× (1.33×) | 1.75 / 1.50× " \
+         "(1.20×) | — |" in lines
+  assert "| sequential |  | — | — | — |" in lines
+
+
 def test_step_cost_table_shows_the_break_even_tau():
   costs = {"4": {"ar": 0.02, "measured_k": [2, 16],
                  "sequential": {"2": 0.03, "9": 0.04, "16": 0.05},
@@ -305,7 +330,7 @@ def test_sweep_cli_outputs_lossless_and_resumes(tmp_path):
   assert all(float(r["speedup"]) == 1.0 for r in rows if r["mode"] == "ar")
   assert all(r["lossless"] == "True" and float(r["speedup"]) > 0 for r in rows)
   md = open(os.path.join(workdir, "results.md")).read()
-  assert "## Speedup over AR, T=0" in md and "## Ablations" in md
+  assert "## Speedup over AR, T=0" in md and "## Ablations" in md and "### By dataset" in md
   assert "| attention tuning only (no calibration) | 2 | parallel θ=0 |" in md
   assert "| sequential + bonus input | | | | | | | | skipped: the drafter reads no" in md
   assert "decode only / end to end" in md

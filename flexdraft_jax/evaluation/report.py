@@ -147,6 +147,34 @@ def ablation_table(results: dict) -> list:
   return lines
 
 
+def ablation_by_dataset(results: dict) -> list:
+  """Markdown lines: per batch size, one row per ablation variant and one
+  column per dataset, each cell `τ / decode speedup× (end-to-end speedup×)`;
+  a variant or cell that did not run reads "—"."""
+  by_key = {r["key"]: r for r in rows(results)}
+  datasets = results.get("ablation_settings", {}).get("datasets", [])
+  batch_sizes = sorted({by_key[k]["batch_size"] for row in results.get("ablation", [])
+                        for k in row["cells"] if k in by_key})
+  lines = []
+  for bs in batch_sizes:
+    lines += [f"Batch {bs}: `τ / decode speedup× (end-to-end speedup×)`", "",
+              "| variant | mode | " + " | ".join(datasets) + " |",
+              "|---|---|" + "---|" * len(datasets)]
+    for row in results.get("ablation", []):
+      at = {by_key[k]["dataset"]: by_key[k] for k in row["cells"]
+            if k in by_key and by_key[k]["batch_size"] == bs}
+      label = next(iter(at.values()))["label"] if at else ""
+      cells = []
+      for d in datasets:
+        r = at.get(d)
+        x = lambda v: "n/a" if v is None else f"{v:.2f}×"
+        cells.append("—" if r is None else
+                     f"{r['tau']:.2f} / {x(r['speedup'])} ({x(r['speedup_e2e'])})")
+      lines.append(f"| {row['name']} | {label} | " + " | ".join(cells) + " |")
+    lines.append("")
+  return lines
+
+
 def _batches_note(settings: dict) -> str:
   cap = settings.get("batches_per_cell") or 0
   return (f", at most {cap} batch{'es' if cap > 1 else ''} per cell (batch b runs "
@@ -234,6 +262,7 @@ def write_markdown(results: dict, path: str, plots: list) -> str:
               "fastest; in brackets, the τ at which that step matches AR.", ""] + costs
   if results.get("ablation"):
     lines += ["", "## Ablations", ""] + ablation_table(results)
+    lines += ["", "### By dataset", ""] + ablation_by_dataset(results)
   if plots:
     lines += ["", "## Plots", ""] + [f"![{os.path.basename(p)}]({os.path.basename(p)})"
                                      for p in plots]
