@@ -23,7 +23,7 @@ The recipe (block size, learning rate, anchors, vocabulary, mask embedding,
 bonus input) was chosen by the A/B in docs/results/recipe_ab.md; the clean
 pass over the data runs once (train.precompute_kv; memory-mapped under
 WORKDIR/deep_kv, or train.deep_kv_dir to share it between runs: 0.69 MB a record
-per draft layer in float32, 46 GB for L = 4 over the shipped 16,576 answers, half
+per draft layer in float32, 47 GB for L = 4 over the shipped 17,176 answers, half
 with train.deep_kv_dtype=float16; the pass refuses a cache the disk cannot hold). On a fresh
 machine --config.train.precompute_kv=False --config.train.batch_size=4
 --config.train.anchors_per_seq=64 skips that pass (the clean pass runs in the
@@ -53,7 +53,9 @@ def get_config():
   c.data.max_prompt_tokens = 192
   c.data.max_new_tokens = 256
   c.data.batch_size = 32
-  # 16,576 answers (2.72 M tokens): every prompt of the mix under 192 tokens (8,765;
+  # 17,176 answers (2.84 M tokens): 600 to chat questions the target wrote
+  # (datasets/smollm2_135m/self_instruct.jsonl, 2026-12-06); 16,576 before them:
+  # every prompt of the mix under 192 tokens (8,765;
   # 2,176 regenerated at 375ece5, 736 on 2026-11-30, 5,853 GSM8K on 2026-12-01) and
   # 7,811 to prompt variants of its questions (data.variant "bench", "fn" and "doc",
   # 2026-12-01/02), shipped in the repository

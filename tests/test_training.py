@@ -231,6 +231,11 @@ def test_shipped_dataset_holds_training_questions_only():
       assert 511 <= int(question.split(":")[1]) <= 974, uid
     if source == "gsm8k":  # train.jsonl's 7,473 rows
       assert 0 <= int(question.split(":")[1]) < 7473, uid
+  # the chat questions the target wrote ship beside it (its card's self_instruct.jsonl)
+  with open(os.path.join(repo, "datasets", "smollm2_135m", "self_instruct.jsonl")) as f:
+    written = {json.loads(line)["uid"] for line in f}
+  chat = {u for u, s in zip(uids, sources) if s == "self_instruct"}
+  assert chat and chat <= written
 
 
 REAL_MBPP = os.path.join(data_root(), "mbpp", "mbpp.jsonl")
