@@ -164,15 +164,16 @@ def ablation_by_dataset(results: dict) -> list:
       at = {by_key[k]["dataset"]: by_key[k] for k in row["cells"]
             if k in by_key and by_key[k]["batch_size"] == bs}
       label = next(iter(at.values()))["label"] if at else ""
-      cells = []
-      for d in datasets:
-        r = at.get(d)
-        x = lambda v: "n/a" if v is None else f"{v:.2f}×"
-        cells.append("—" if r is None else
-                     f"{r['tau']:.2f} / {x(r['speedup'])} ({x(r['speedup_e2e'])})")
+      cells = ["—" if (r := at.get(d)) is None else
+               f"{r['tau']:.2f} / {_times(r['speedup'])} ({_times(r['speedup_e2e'])})"
+               for d in datasets]
       lines.append(f"| {row['name']} | {label} | " + " | ".join(cells) + " |")
     lines.append("")
   return lines
+
+
+def _times(x) -> str:
+  return "n/a" if x is None else f"{x:.2f}×"
 
 
 def _batches_note(settings: dict) -> str:
