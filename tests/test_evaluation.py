@@ -365,6 +365,20 @@ def test_demo_runs_and_reports_speedup(tmp_path):
   assert "steps per mode: parallel " in out.stdout and "(τ " in out.stdout
 
 
+def test_demo_says_what_flex_chose_and_what_its_chunks_measured():
+  from flexdraft_jax.evaluation import demo
+  stats = {"flex_choices": {"3": {
+      "choice": ["ar", 0], "tokens_per_s": {"ar": 45.3, "sequential:4": 40.1, "sequential:8": 38.0},
+      "chunks": {"sequential:8": {"steps": 8, "predicted_tokens_per_s": 60.0,
+                                  "measured_tokens_per_s": 42.0}}}}}
+  lines = demo.flex_lines(stats)
+  assert lines[0] == ("flex at batch 3 chose ar: predicted 45.3 tok/s (sequential:4 40.1, "
+                      "sequential:8 38.0)")
+  assert lines[1] == ("  its chunks, predicted / measured: sequential:8 ×8 steps "
+                      "60.0 / 42.0 tok/s")
+  assert demo.flex_lines({}) == []
+
+
 def test_demo_speedup_below_run_to_run_noise_reads_about_1x():
   from flexdraft_jax.evaluation import demo
   # AR runs spread 20 % (10..12 tok/s): a 1.14x median ratio is noise

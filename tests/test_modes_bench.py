@@ -57,6 +57,12 @@ def test_accelerator_bench_writes_lossless_positive_tables(tmp_path):
     flex = r["flex"]
     assert sum(n for _, _, n in flex["mode_k_steps"]) == r["settings"]["flex"]["steps"]
     assert set(flex["cost_model_vs_measured"]) >= {"parallel:2", "sequential:2"}
+    # what flex predicted for the chunks it ran, and what they measured
+    ran = {f"{m}:{k}" if k else m for m, k, _ in flex["mode_k_steps"]}
+    assert set(flex["chunks"]) <= ran
+    assert sum(c["steps"] for c in flex["chunks"].values()) <= r["settings"]["flex"]["steps"]
+    for c in flex["chunks"].values():
+      assert _positive(c["predicted_tokens_per_s"]) and _positive(c["measured_tokens_per_s"])
     assert _positive(flex["step_costs"]["ar"])
 
   lines = md.splitlines()

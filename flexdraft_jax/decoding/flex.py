@@ -21,7 +21,9 @@ chunks then really cost corrects the model: per (mode, k) once it has run
 took to what the measured costs predicted scales those costs, so a mode
 slower than timed falls back to AR at the next choice (a mode that has not
 run lately borrows the others' ratio, up to `MACHINE_DRIFT`: a busy machine
-slows every mode); where they ran more than `RETIME` off, the timing itself was
+slows every mode; where speculation would win only by AR's borrowed slowdown,
+`MIN_TIMED` AR steps first tell whether AR slowed down too); where they ran
+more than `RETIME` off, the timing itself was
 off and flex times the steps again (once per batch shape and run);
 until a (mode, k) has timed steps at this batch shape its chunks are short
 (`PROBE_STEPS`), so a wrong first choice costs a few steps. AR learns nothing
@@ -30,8 +32,11 @@ about acceptance, so where speculation came close flex probes it again after
 probe that gained nothing would cost more than `PROBE_BUDGET` of that AR
 time. A batch ends with its slowest row, so at B > 1 the τ that counts is
 what a speculative step gains the row with the most steps left (`row_tau`:
-each row's own progress in speculative steps, or its drafts' confidence, and
-its tokens left).
+each row's own progress in speculative steps against the rows' beside it, or
+its drafts' confidence, and its tokens left).
+`stats()` reports, per batch shape, what flex predicted for the chunks it ran
+against what they measured, and its predicted × AR of each (mode, k) over
+the run.
 The measured costs are kept in a JSON file (step_costs.py) and in memory.
 """
 
@@ -139,9 +144,20 @@ class FlexPolicy:
     # Per-row progress: a batch finishes with its slowest row, so a speculative
     # step is worth what it gains the row that will finish last (see row_tau).
     self.max_new = None            # each row's token budget (set by the driver)
-    self.row_tok = self.row_steps = None  # decayed tokens / steps in speculative chunks
+    # Per row, decayed over speculative chunks: its tokens, its steps, and the
+    # tokens the rows live beside it made per row over the same steps (row_tau).
+    self.row_tok = self.row_steps = self.row_mean = None
     self._prev_n_out = None
     self._last_chunk = (Mode.AR, 0)
+    self.timing_ar = False         # the next AR chunk times AR (see choose)
+    # Batch rows -> {(mode, k) name: [Σ steps · predicted × AR, Σ steps]}: each
+    # prediction weighed by the steps decoded on it (stats: "run_predicted_over_ar").
+    self.predicted_run = {}
+    self._predicted = {}
+    # Batch rows -> {(mode, k): [Σ steps · predicted tokens/s, Σ steps]} of the
+    # chunks that ran on each choice (compiling ones left out, as in `realized`).
+    self.predicted_chunks = {}
+    self._chosen = None            # ((mode, k), its predicted tokens/s)
     self.timing_spans = []         # (start, end) wall time of step-cost measurements
 
   def observe(self, delta_hist, mode: str, k: int, B: int = 0, steps: int = 0,
@@ -159,8 +175,18 @@ class FlexPolicy:
       self.verified[1:k] *= ACCEPT_DECAY
       self.accepted[1:k] *= ACCEPT_DECAY
       self.count_acceptance(delta_hist, k)
-    if steps <= 0 or compiled:
+    if steps <= 0:
       return
+    for name, ratio in self._predicted.items():
+      acc = self.predicted_run.setdefault(B, {}).setdefault(name, [0.0, 0])
+      acc[0] += steps * ratio
+      acc[1] += steps
+    if compiled:
+      return
+    if self._chosen and self._chosen[0] == (mode, k):
+      acc = self.predicted_chunks.setdefault(B, {}).setdefault((mode, k), [0.0, 0])
+      acc[0] += steps * self._chosen[1]
+      acc[1] += steps
     tokens = int((np.arange(len(delta_hist)) * delta_hist).sum())
     row = self.realized.setdefault(B, {}).setdefault((mode, k), [0, 0.0, 0])
     row[0] += steps
@@ -245,41 +271,50 @@ class FlexPolicy:
 
   def shape_changed(self):
     self.costs = None  # step costs depend on the batch
-    self.row_tok = self.row_steps = self._prev_n_out = None  # the rows moved
+    self.row_tok = self.row_steps = self.row_mean = self._prev_n_out = None  # the rows moved
 
   def _see_rows(self, state):
-    """Adds each live row's tokens over the last chunk, if it was speculative."""
+    """Adds each row's tokens over the last chunk, if it was speculative, and
+    the mean tokens per row of the rows live through it (row_tau's yardstick;
+    rows that finished in it included: their steps are in τ's counts)."""
     n_out = np.asarray(state.n_out_B)
-    live = ~np.asarray(state.done_B)
     if self.row_tok is None or len(self.row_tok) != len(n_out):
       self.row_tok, self.row_steps = np.zeros(len(n_out)), np.zeros(len(n_out))
+      self.row_mean = np.zeros(len(n_out))
       self._prev_n_out = None
     mode, steps = self._last_chunk
     if self._prev_n_out is not None and mode != Mode.AR and steps > 0:
-      self.row_tok *= ACCEPT_DECAY
-      self.row_steps *= ACCEPT_DECAY
-      self.row_tok[live] += (n_out - self._prev_n_out)[live]
-      self.row_steps[live] += steps
-    self._prev_n_out = n_out.copy()
+      ran = self._prev_live  # the rows live when the chunk began
+      made = (n_out - self._prev_n_out)[ran]
+      if ran.any():
+        for a in (self.row_tok, self.row_steps, self.row_mean):
+          a *= ACCEPT_DECAY
+        self.row_tok[ran] += made
+        self.row_steps[ran] += steps
+        self.row_mean[ran] += made.mean()
+    self._prev_n_out, self._prev_live = n_out.copy(), ~np.asarray(state.done_B)
 
   def row_tau(self, state, tau_k: float) -> float:
     """The τ that speeds up the batch's finish: each live row's τ is τ(k)
-    scaled by how it accepts relative to the others (its tokens per
-    speculative step where it has PROBE_STEPS of them, else its drafts'
-    confidence), and the batch ends when the row with the most steps left
-    does: max_i R_i / max_i (R_i / τ_i), R_i its tokens left (one row: τ(k))."""
+    scaled by how it accepts relative to the rows its acceptance counts came
+    from, g_i = (p_i - 1) / (p̄_i - 1) — p_i its tokens per speculative step
+    and p̄_i the mean of the rows live through the same steps (finished rows
+    included: they are in τ(k)'s counts), where it has PROBE_STEPS of them;
+    else its drafts' confidence against the live rows' — and the batch ends
+    when the row with the most steps left does: max_i R_i / max_i (R_i / τ_i),
+    R_i its tokens left. A row left alone goes at its own pace, not the
+    batch's."""
     live = ~np.asarray(state.done_B)
-    if live.sum() <= 1 or tau_k <= 1.0:
+    if not live.any() or tau_k <= 1.0:
       return tau_k
     conf = np.asarray(state.conf_BxD, np.float64)[live]
     tc = 1.0 + np.cumprod(conf, axis=1).sum(1)
     g = (tc - 1.0) / max(tc.mean() - 1.0, 1e-9)
     if self.row_tok is not None and len(self.row_tok) == len(live):
-      steps, tok = self.row_steps[live], self.row_tok[live]
-      have = steps >= PROBE_STEPS
-      if have.any():
-        p = tok[have] / steps[have]
-        g[have] = (p - 1.0) / max(p.mean() - 1.0, 1e-9)
+      steps, tok, mean = self.row_steps[live], self.row_tok[live], self.row_mean[live]
+      gain = mean - steps  # the tokens beyond one a step of the rows beside it
+      have = (steps >= PROBE_STEPS) & (gain > 1e-6)  # (none gained: no yardstick)
+      g[have] = (tok[have] - steps[have]) / gain[have]
     tau_i = 1.0 + (tau_k - 1.0) * np.clip(g, 0.0, 3.0)
     n_out = np.asarray(state.n_out_B)[live]
     left = (np.maximum(self.max_new - n_out, 1) if self.max_new
@@ -305,7 +340,19 @@ class FlexPolicy:
     ar_rate, best_rate = rates[(Mode.AR, 0)], rates[best]
     self.probing = False
     speculating = self._last_chunk[0] != Mode.AR
-    if best_rate < (STAY_MARGIN if speculating else AR_MARGIN) * ar_rate:
+    margin = STAY_MARGIN if speculating else AR_MARGIN
+    # AR's own chunks at B, or the machine's slowdown borrowed from the others:
+    ar_borrows = self._realized_ratio(B, lambda m, kk: m == Mode.AR) is None
+    own_ar_rate = 1.0 / self.costs["ar"] if ar_borrows else ar_rate
+    self.timing_ar = (ar_borrows and best_rate >= margin * ar_rate
+                      and best_rate < margin * own_ar_rate)
+    if self.timing_ar:
+      # Speculation wins only if AR slowed down as much as it did; that may be
+      # its own timing that was off (k = 8 timed 20 % low at batch 2 here, while
+      # AR ran as timed): MIN_TIMED AR steps tell.
+      best, self.explore_ar = (Mode.AR, 0), True
+      self.ar_since_probe, self.probe_at = 0, MIN_TIMED
+    elif best_rate < margin * ar_rate:
       # Not worth it by the estimate; probe it now and then if it came close.
       self.explore_ar = best_rate >= EXPLORE * AR_MARGIN * ar_rate
       self.probe_at = self._probe_at(B, best)
@@ -317,6 +364,9 @@ class FlexPolicy:
     else:
       self.ar_stretch, self.ar_since_probe = AR_STRETCH, 0
     name = lambda m, kk: f"{m}:{kk}" if kk else m
+    self._predicted = {name(m, kk): r / ar_rate for (m, kk), r in rates.items()
+                       if m != Mode.AR}
+    self._chosen = (best, rates[best] * live)
     self.choices[str(B)] = {
         "choice": [str(best[0]), best[1]],
         "tokens_per_s": {name(m, kk): round(r * live, 2) for (m, kk), r in rates.items()},
@@ -328,6 +378,7 @@ class FlexPolicy:
                        **{name(m, kk): round(self.cost_scale(B, m, kk), 3)
                           for m, kk in self.realized.get(B, {}) if m != Mode.AR}},
         "probe": self.probing,
+        "timing_ar": self.timing_ar,
         "next_probe_after_ar_steps": (self.probe_at - self.ar_since_probe
                                       if self.explore_ar and best[0] == Mode.AR else None)}
     return best
@@ -433,5 +484,22 @@ class FlexPolicy:
     return costs
 
   def stats(self) -> dict:
+    """The measured step costs, and per batch shape: the last choice with its
+    predictions; each speculative (mode, k)'s predicted × AR over the run (the
+    mean of the predictions the steps ran on); and per (mode, k) flex ran, its
+    steps with the tokens/s predicted for them and measured while they ran."""
+    name = lambda m, kk: f"{m}:{kk}" if kk else str(m)
+    choices = {b: dict(c) for b, c in self.choices.items()}
+    for b, acc in self.predicted_run.items():
+      if str(b) in choices:
+        choices[str(b)]["run_predicted_over_ar"] = {
+            n: round(t / w, 3) for n, (t, w) in acc.items() if w}
+    for b, acc in self.predicted_chunks.items():
+      done = self.realized.get(b, {})
+      if str(b) in choices:
+        choices[str(b)]["chunks"] = {
+            name(m, kk): {"steps": w, "predicted_tokens_per_s": round(t / w, 2),
+                          "measured_tokens_per_s": round(done[(m, kk)][2] / done[(m, kk)][1], 2)}
+            for (m, kk), (t, w) in acc.items() if w and done.get((m, kk), [0, 0])[1] > 0}
     return {"flex_threshold": self.opts.flex_threshold, "step_costs": self.measured,
-            "flex_choices": self.choices}
+            "flex_choices": choices}

@@ -87,6 +87,25 @@ def speedup_text(ar_rates, spec_rates, only_ar_steps: bool = False) -> str:
   return f"{ratio:.2f}×"
 
 
+def flex_lines(stats: dict) -> list:
+  """Per batch shape: flex's last choice with the tokens/s it predicted for it
+  and the runners-up, then its chunks' predicted / measured tokens/s."""
+  lines = []
+  for rows, c in stats.get("flex_choices", {}).items():
+    mode, k = c["choice"]
+    pred = c["tokens_per_s"]
+    best = f"{mode}:{k}" if k else mode
+    others = sorted(pred.items(), key=lambda x: -x[1])[:4]
+    lines.append(f"flex at batch {rows} chose {mode}" + (f" verifying up to {k - 1} drafts"
+                 if k else "") + f": predicted {pred[best]:.1f} tok/s ("
+                 + ", ".join(f"{m} {v:.1f}" for m, v in others if m != best) + ")")
+    if c.get("chunks"):  # what the decoding chunks really did, against the prediction
+      lines.append("  its chunks, predicted / measured: " + ", ".join(
+          f"{m} ×{x['steps']} steps {x['predicted_tokens_per_s']:.1f} / "
+          f"{x['measured_tokens_per_s']:.1f} tok/s" for m, x in c["chunks"].items()))
+  return lines
+
+
 def main(argv=None) -> int:
   args = _parser().parse_args(argv)
   if args.max_new_tokens < 1 or args.repeats < 2 or args.batch_size < 1:
@@ -131,17 +150,8 @@ def main(argv=None) -> int:
         f"\n{args.mode:<13} {_median(spec_rates):8.1f} tok/s   "
         f"τ={spec.stats['tau']:.2f}   speedup over AR: {speedup}"
         f"\nsteps per mode: {used or args.mode};  outputs identical to AR: {same}")
-  for rows, c in spec.stats.get("flex_choices", {}).items():
-    mode, k = c["choice"]
-    pred = c["tokens_per_s"]
-    best = f"{mode}:{k}" if k else mode
-    others = sorted(pred.items(), key=lambda x: -x[1])[:4]
-    print(f"flex at batch {rows} chose {mode}" + (f" verifying up to {k - 1} drafts" if k
-          else "") + f": predicted {pred[best]:.1f} tok/s ("
-          + ", ".join(f"{m} {v:.1f}" for m, v in others if m != best) + ")")
-    if c.get("measured_tokens_per_s"):  # what the decoding chunks really did
-      print("  measured while decoding: " + ", ".join(
-          f"{m} {v:.1f} tok/s" for m, v in c["measured_tokens_per_s"].items()))
+  for line in flex_lines(spec.stats):
+    print(line)
   if args.mode == Mode.FLEX and steps.get(Mode.AR):
     print("flex measured the step costs on this machine and predicted plain AR steps "
           "to be fastest " + ("here" if set(steps) == {"ar"} else "after its "

@@ -14,9 +14,10 @@ top-2 logits within `lossless_tol` at the first differing token
 
 Flex's own view sits next to what the fixed settings measured: the steps it ran
 per (mode, k), τ per mode, its timed step costs, and the tokens/s its cost model
-predicted for each (mode, k) at its last choice (`stats["flex_choices"]`), given
-as a ratio to its AR prediction — comparable with each fixed setting's measured
-× AR, so a reader sees whether the model agrees with measurement.
+predicted for each (mode, k) over its run, as a ratio to its AR prediction, each
+prediction weighed by the steps decoded on it (`stats["flex_choices"]`) —
+comparable with each fixed setting's measured × AR, so a reader sees whether the
+model agrees with measurement.
 
   settings = default_settings(parse_fixed(["sequential:4", "parallel:4"]))
   result = run(target, drafter, gsm8k_prompts(target, data_dir, 16),
@@ -238,10 +239,12 @@ def check_outputs(target, reference: list, outputs: list, ids: list, tol: float)
 
 
 def flex_view(stats: dict, batch_size: int, measured: dict) -> dict:
-  """Flex's steps per (mode, k), τ per mode, step costs, and its predicted
-  tokens/s per (mode, k) at its last choice, next to the measured × AR."""
+  """Flex's steps per (mode, k), τ per mode, step costs, and the × AR its cost
+  model predicted for each (mode, k) over its run (each prediction weighed by
+  the steps decoded on it: a run's predictions refer to the rows then live, as
+  the fixed settings' measurement covers all of them), next to the measured × AR."""
   choice = stats.get("flex_choices", {}).get(str(batch_size), {})
-  pred = choice.get("tokens_per_s", {})
+  pred, run = choice.get("tokens_per_s", {}), choice.get("run_predicted_over_ar", {})
   compare = {}
   for name, x in measured.items():
     key = "ar" if x["mode"] == Mode.AR else (
@@ -249,14 +252,16 @@ def flex_view(stats: dict, batch_size: int, measured: dict) -> dict:
     if key is None:
       continue
     p = pred.get(key)
-    compare[name] = {"predicted_tokens_per_s": p,
-                     "predicted_over_ar": p / pred["ar"] if p and pred.get("ar") else None,
+    last = p / pred["ar"] if p and pred.get("ar") else None
+    compare[name] = {"predicted_tokens_per_s": p, "last_predicted_over_ar": last,
+                     "predicted_over_ar": run.get(key, last),
                      "measured_tokens_per_s": x["median"], "measured_over_ar": x["over_ar"]}
   return {"mode_k_steps": mode_k_steps(stats.get("mode_steps", []),
                                        stats.get("group_counts", [])),
           "mode_tau": stats.get("mode_tau", {}), "tau": stats["tau"],
           "step_costs": stats.get("step_costs", {}).get(str(batch_size)),
-          "last_choice": choice, "cost_model_vs_measured": compare}
+          "last_choice": choice, "cost_model_vs_measured": compare,
+          "chunks": choice.get("chunks", {})}
 
 
 def mode_k_steps(mode_log: list, k_log: list) -> list:
@@ -325,14 +330,19 @@ def markdown(result: dict) -> str:
   if flex:
     compared = [n for n in names if n not in ("ar", flex) and n in (
         rows[0]["flex"]["cost_model_vs_measured"] if rows else {})]
-    out += ["", "Flex's cost model against measurement: its steps per (mode:k), and per "
-            "setting the × AR it predicted at its last choice / the × AR measured.", ""]
-    head = ["batch", "flex steps"] + compared
+    out += ["", "Flex's cost model against measurement: its steps per (mode:k); the "
+            "tokens/s it predicted for its own chunks / what they measured (chunks that "
+            "compiled left out); and per setting the × AR it predicted over its run (each "
+            "prediction weighed by the steps decoded on it) / the × AR measured.", ""]
+    head = ["batch", "flex steps", "its chunks: predicted / measured tok/s"] + compared
     out += [_md_row(head), _md_row(["---"] * len(head))]
     for r in rows:
       fv = r["flex"]
       steps = ", ".join(f"{_label(m, k)}×{n}" for m, k, n in fv["mode_k_steps"])
-      cells = [str(r["batch_size"]), steps or "-"]
+      own = ", ".join(f"{n} {c['predicted_tokens_per_s']:.1f} / "
+                      f"{c['measured_tokens_per_s']:.1f}"
+                      for n, c in fv.get("chunks", {}).items())
+      cells = [str(r["batch_size"]), steps or "-", own or "-"]
       for n in compared:
         c = fv["cost_model_vs_measured"].get(n, {})
         p = c.get("predicted_over_ar")
