@@ -1189,6 +1189,26 @@ def test_warm_start_keeps_weights_and_matches_calibration_by_token_id(target):
   np.testing.assert_array_equal(top["layers"]["q"][0], src["layers"]["q"][1])
 
 
+def test_warm_start_gives_new_draft_ids_the_bias_of_the_source_s_rarest(target):
+  # A source with a draft vocabulary (most frequent first) and learned biases;
+  # the new run's vocabulary keeps two of its ids and adds two it never drafted.
+  cfg = target.config
+  from flexdraft_jax.drafter.model import Drafter
+  src_cfg = DrafterConfig(num_layers=2, block_size=4, calib_rank=16, draft_vocab=8)
+  src = init_draft_params(target.params, cfg, src_cfg, jax.random.PRNGKey(1),
+                          vocab=np.arange(10, 18, dtype=np.int32))
+  src["calib"]["b2"] = -jnp.arange(8, dtype=jnp.float32)  # 0 (id 10) ... -7 (id 17)
+  src["calib"]["w2"] = jnp.ones_like(src["calib"]["w2"])
+  dcfg = DrafterConfig(num_layers=2, block_size=4, calib_rank=16, draft_vocab=4)
+  vocab = np.array([10, 3, 17, 40], np.int32)
+  fresh = init_draft_params(target.params, cfg, dcfg, jax.random.PRNGKey(0), vocab=vocab)
+  out = train.warm_start(fresh, Drafter(src_cfg, src), cfg, dcfg)
+  rarest = (-6.0 - 7.0) / 2  # the mean of the source's last quarter (ids 16, 17)
+  np.testing.assert_array_equal(out["calib"]["b2"], [0.0, rarest, -7.0, rarest])
+  np.testing.assert_array_equal(out["calib"]["w2"][:, [1, 3]], 0.0)
+  np.testing.assert_array_equal(out["calib"]["w2"][:, [0, 2]], 1.0)
+
+
 def test_per_slot_masks_equal_to_one_vector_change_nothing(target):
   cfg = target.config
   one = DrafterConfig(num_layers=2, block_size=4, calib_rank=16)

@@ -34,7 +34,8 @@ def draft_vocab(workdir, records, size: int, cfg) -> np.ndarray:
 def warm_start(params, source: Drafter, cfg, dcfg) -> dict:
   """`params` (a fresh draft pytree) with the weights of a trained drafter: the
   mask and attention as they are, the calibration output columns matched by
-  token id (ids the source never drafted start at zero). Draft layers match
+  token id (ids the source never drafted: zero weights, and the mean bias of
+  the source's rarest ids). Draft layers match
   from the top: a source with fewer layers fills this config's last ones (the
   others keep their init, copies of the target's projectors), one with more
   gives its last ones."""
@@ -63,7 +64,13 @@ def warm_start(params, source: Drafter, cfg, dcfg) -> dict:
     return out
   src_ids = np.asarray(src["vocab"]) if "vocab" in src else np.arange(cfg.vocab_size)
   full_w2 = np.zeros((w2.shape[0], cfg.vocab_size), w2.dtype)
-  full_b2 = np.zeros((cfg.vocab_size,), b2.dtype)
+  # Ids the source never drafted were rarer in its data than all it knew (its
+  # vocabulary is in frequency order): they start at the mean bias of its rarest
+  # quarter. The bias is what sets rare ids apart (the default drafter's run from
+  # -2 on its most frequent ids to -5.8 on its rarest): at zero every new id
+  # would outscore the ids the source learned.
+  unseen = float(np.mean(b2[-max(1, len(b2) // 4):])) if "vocab" in src else 0.0
+  full_b2 = np.full((cfg.vocab_size,), unseen, b2.dtype)
   full_w2[:, src_ids], full_b2[src_ids] = w2, b2
   dst_ids = np.asarray(out["vocab"]) if "vocab" in out else np.arange(cfg.vocab_size)
   out["calib"]["w2"], out["calib"]["b2"] = full_w2[:, dst_ids], full_b2[dst_ids]
