@@ -374,5 +374,6 @@ def _merge_stats(parts, mode):
   if "flex_threshold" in parts[0]:
     s["flex_threshold"] = parts[0]["flex_threshold"]
     s["step_costs"] = {b: c for p in parts for b, c in p["step_costs"].items()}
+    # per batch shape, the record of the last batch of that shape
     s["flex_choices"] = {b: c for p in parts for b, c in p.get("flex_choices", {}).items()}
   return s
