@@ -757,8 +757,29 @@ def test_flex_reports_its_predictions_against_its_chunks():
   why = d.stats()["flex_choices"]["2"]
   # predicted 2 rows x 1.5 tokens a second; measured 16 tokens in 8 s
   assert why["chunks"] == {"sequential:2": {"steps": 8, "predicted_tokens_per_s": 3.0,
-                                            "measured_tokens_per_s": 2.0}}
+                                            "measured_tokens_per_s": 2.0,
+                                            "tokens": 16, "seconds": 8.0}}
   assert why["run_predicted_over_ar"] == {"sequential:2": 1.5}
+
+
+def test_generate_sums_flex_s_chunks_over_the_batches_of_one_shape():
+  from flexdraft_jax.decoding import engine
+  part = lambda chunks: {
+      "prefill_seconds": 0.0, "decode_seconds": 1.0, "compile_seconds": 0.0,
+      "flex_timing_seconds": 0.0, "new_tokens": 0, "decode_tokens": 0, "steps": 0,
+      "committed_tokens": 0, "verified_row_steps": 0, "accept_hist": [0],
+      "draft_dtype": None, "flex_threshold": "auto", "step_costs": {},
+      "flex_choices": {"1": {"choice": ["ar", 0], "chunks": chunks}}}
+  first = part({"sequential:4": flex.chunk_record(8, 30.0, 96, 4.0)})
+  second = part({"sequential:4": flex.chunk_record(24, 50.0, 120, 2.0),
+                 "ar": flex.chunk_record(8, 20.0, 8, 0.5)})
+  merged = engine._merge_stats([first, second], "flex")["flex_choices"]["1"]["chunks"]
+  # 32 steps: predicted (8·30 + 24·50) / 32 = 45; measured 216 tokens in 6 s
+  assert merged["sequential:4"] == flex.chunk_record(32, 45.0, 216, 6.0)
+  assert merged["sequential:4"]["measured_tokens_per_s"] == 36.0
+  assert merged["ar"] == flex.chunk_record(8, 20.0, 8, 0.5)
+  # the parts' own records are left as they were
+  assert first["flex_choices"]["1"]["chunks"]["sequential:4"]["steps"] == 8
 
 
 def test_flex_needs_a_margin_over_ar():

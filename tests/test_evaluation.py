@@ -374,7 +374,7 @@ def test_demo_says_what_flex_chose_and_what_its_chunks_measured():
   lines = demo.flex_lines(stats)
   assert lines[0] == ("flex at batch 3 chose ar: predicted 45.3 tok/s (sequential:4 40.1, "
                       "sequential:8 38.0)")
-  assert lines[1] == ("  its chunks in the last batch, predicted / measured: "
+  assert lines[1] == ("  its chunks, predicted / measured: "
                       "sequential:8 ×8 steps 60.0 / 42.0 tok/s")
   assert demo.flex_lines({}) == []
 

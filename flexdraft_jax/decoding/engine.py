@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from flexdraft_jax.decoding import memory_maps, sharding, timing
+from flexdraft_jax.decoding import flex, memory_maps, sharding, timing
 from flexdraft_jax.decoding.chunk import prefill_batch
 from flexdraft_jax.decoding.driver import Driver
 from flexdraft_jax.decoding.options import (Mode, RuntimeOptions, SpecOptions, _is_int,
@@ -374,6 +374,12 @@ def _merge_stats(parts, mode):
   if "flex_threshold" in parts[0]:
     s["flex_threshold"] = parts[0]["flex_threshold"]
     s["step_costs"] = {b: c for p in parts for b, c in p["step_costs"].items()}
-    # per batch shape, the record of the last batch of that shape
-    s["flex_choices"] = {b: c for p in parts for b, c in p.get("flex_choices", {}).items()}
+    # per batch shape, the choice record of the last batch of that shape, with
+    # the chunks of every batch of that shape summed
+    s["flex_choices"] = {b: dict(c) for p in parts for b, c in p.get("flex_choices", {}).items()}
+    for b, c in s["flex_choices"].items():
+      runs = [p["flex_choices"][b]["chunks"] for p in parts
+              if "chunks" in p.get("flex_choices", {}).get(b, {})]
+      if runs:
+        c["chunks"] = flex.merge_chunk_records(runs)
   return s

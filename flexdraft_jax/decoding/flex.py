@@ -106,6 +106,29 @@ RETIME_STEPS = 2 * MIN_TIMED
 # this factor; beyond it the slowdown is the mode's own (cost_scale).
 MACHINE_DRIFT = 1.5
 
+def chunk_record(steps: int, predicted: float, tokens: int, seconds: float) -> dict:
+  """What flex predicted for the `steps` decoding steps of one (mode, k) (tokens/s,
+  weighed by steps) against what they measured (`tokens` in `seconds`)."""
+  return {"steps": steps, "predicted_tokens_per_s": round(predicted, 2),
+          "measured_tokens_per_s": round(tokens / seconds, 2),
+          "tokens": tokens, "seconds": round(seconds, 4)}
+
+
+def merge_chunk_records(records) -> dict:
+  """The chunk records (`chunk_record`, by (mode, k) name) of several batches of
+  one shape, summed: steps, tokens and seconds add up, the prediction is
+  weighed by steps."""
+  acc = {}
+  for rec in records:
+    for name, r in rec.items():
+      a = acc.setdefault(name, [0, 0.0, 0, 0.0])
+      a[0] += r["steps"]
+      a[1] += r["steps"] * r["predicted_tokens_per_s"]
+      a[2] += r["tokens"]
+      a[3] += r["seconds"]
+  return {name: chunk_record(w, t / w, tok, sec) for name, (w, t, tok, sec) in acc.items()}
+
+
 class FlexPolicy:
   """What flex has seen (per-slot acceptance, step costs) and what it chooses.
 
@@ -498,8 +521,7 @@ class FlexPolicy:
       done = self.realized.get(b, {})
       if str(b) in choices:
         choices[str(b)]["chunks"] = {
-            name(m, kk): {"steps": w, "predicted_tokens_per_s": round(t / w, 2),
-                          "measured_tokens_per_s": round(done[(m, kk)][2] / done[(m, kk)][1], 2)}
+            name(m, kk): chunk_record(w, t / w, done[(m, kk)][2], done[(m, kk)][1])
             for (m, kk), (t, w) in acc.items() if w and done.get((m, kk), [0, 0])[1] > 0}
     return {"flex_threshold": self.opts.flex_threshold, "step_costs": self.measured,
             "flex_choices": choices}

@@ -89,8 +89,8 @@ def speedup_text(ar_rates, spec_rates, only_ar_steps: bool = False) -> str:
 
 def flex_lines(stats: dict) -> list:
   """Per batch shape: flex's last choice with the tokens/s it predicted for it
-  and the runners-up, then the predicted / measured tokens/s of its chunks in
-  the last batch of that shape (generate keeps the last batch's record)."""
+  and the runners-up, then the predicted / measured tokens/s of its chunks
+  (over every batch of that shape)."""
   lines = []
   for rows, c in stats.get("flex_choices", {}).items():
     mode, k = c["choice"]
@@ -101,7 +101,7 @@ def flex_lines(stats: dict) -> list:
                  if k else "") + f": predicted {pred[best]:.1f} tok/s ("
                  + ", ".join(f"{m} {v:.1f}" for m, v in others if m != best) + ")")
     if c.get("chunks"):  # what the decoding chunks really did, against the prediction
-      lines.append("  its chunks in the last batch, predicted / measured: " + ", ".join(
+      lines.append("  its chunks, predicted / measured: " + ", ".join(
           f"{m} ×{x['steps']} steps {x['predicted_tokens_per_s']:.1f} / "
           f"{x['measured_tokens_per_s']:.1f} tok/s" for m, x in c["chunks"].items()))
   return lines
