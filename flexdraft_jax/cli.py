@@ -60,6 +60,8 @@ FLAGS = (  # (absl DEFINE_*, name as generate() spells it, default, help[, enum 
     ("bool", "chat", False, "apply the chat template"),
     ("enum", "dtype", "float32", "the target's weights", ("float32", "bfloat16")),
     ("string", "drafter", None, "drafter directory (needed by every mode but ar)"),
+    ("string", "parallel_drafter", None,
+     "a second drafter directory, trained blind, for parallel steps (parallel, flex)"),
     ("enum", "mode", options.Mode.AR.value, "the decoding mode", options.MODES),
     ("float", "threshold", 0.0, "selective-verification θ (0 keeps every group)"),
     ("enum", "strategy", "cumulative_product", "selective verification's confidence",
@@ -197,9 +199,11 @@ def _main(rest) -> int:
       raise FlexDraftError(f"mode {args.mode!r} needs a drafter (--drafter PATH)")
     from flexdraft_jax.drafter import checkpoint
     checkpoint.read_meta(args.drafter)  # a missing or unreadable drafter: one line now
+    if args.parallel_drafter:
+      checkpoint.read_meta(args.parallel_drafter)
   for line in options.ignored_options(
       mode=kw["mode"], sampling=kw["sampling"], speculation=kw["speculation"],
-      drafter=args.drafter, spell=_flag):
+      drafter=args.drafter, parallel_drafter=args.parallel_drafter, spell=_flag):
     print(f"warning: {line}", file=sys.stderr)
   from flexdraft_jax.model import loading
   if not loading.has_tokenizer(args.model):
@@ -210,11 +214,14 @@ def _main(rest) -> int:
 
   target = fd.load_target(args.model, dtype=args.dtype, layout="layers")
   drafter = fd.load_drafter(args.drafter, target) if mode != options.Mode.AR else None
+  parallel_drafter = (fd.load_drafter(args.parallel_drafter, target)
+                      if args.parallel_drafter and mode in (options.Mode.PARALLEL,
+                                                            options.Mode.FLEX) else None)
   with warnings.catch_warnings():  # printed above, once
     warnings.simplefilter("ignore", FlexDraftWarning)
     try:
       result = fd.generate(target, prompts, seed=args.seed, drafter=drafter,
-                           chat=args.chat, **kw)
+                           parallel_drafter=parallel_drafter, chat=args.chat, **kw)
     except FlexDraftError as e:
       raise FlexDraftError(_flag_names(str(e), names, lead=False)) from None
   if args.json:

@@ -66,6 +66,10 @@ CASES = [
     cli("generate", "`--drafter` that does not exist",
         ["generate", *GEN, "--mode", "flex", "--drafter", "{d}/nope"],
         "error: no drafter at {d}/nope (not a directory)"),
+    cli("generate", "`--parallel-drafter` in mode `ar` (it would be ignored silently)",
+        ["generate", *GEN, "--parallel-drafter", "{d}/nope"],
+        "warning: mode 'ar' does not use the parallel drafter (--parallel-drafter): only "
+        "'parallel' and 'flex' do", model=True),
     cli("generate", "`--prompts-file` is a directory", ["generate", *GEN, "--prompts-file", "{d}"],
         "error: prompts file {d} is a directory"),
     cli("generate", "`--prompts-file` is not UTF-8",
@@ -164,6 +168,16 @@ CASES = [
         "mode 'parallel' drafts before the bonus is known and this drafter was trained to "
         "read it (bonus_input without bonus_dropout): it drafts blind, poorly; "
         "'sequential' or 'flex' suit it", warning=True),
+    api("a `parallel_drafter` of another block size than the drafter's",
+        dict(mode="flex", drafter=lambda target: _bonus_drafter(target),
+             parallel_drafter=lambda target: _bonus_drafter(target, block_size=2)),
+        "the parallel drafter's block size 2 differs from the drafter's 4: they must "
+        "match"),
+    api("a `parallel_drafter` in mode \"sequential\" (FlexDraftWarning)",
+        dict(mode="sequential", drafter=lambda target: _bonus_drafter(target),
+             parallel_drafter=lambda target: _bonus_drafter(target)),
+        "mode 'sequential' does not use the parallel drafter (parallel_drafter): only "
+        "'parallel' and 'flex' do", warning=True),
     # -------------------------------------------------------------- train ----
     cli("train", "`--workdir` under a file",
         ["train", f"--config={TINY}", "--workdir", "{d}/afile/run"],
@@ -241,10 +255,10 @@ CASES = [
 ]
 
 
-def _bonus_drafter(target):
+def _bonus_drafter(target, block_size=4):
   from flexdraft_jax.drafter.model import Drafter, DrafterConfig, init_draft_params
   import jax
-  dcfg = DrafterConfig(num_layers=1, block_size=4, calib_rank=8, bonus_input=True)
+  dcfg = DrafterConfig(num_layers=1, block_size=block_size, calib_rank=8, bonus_input=True)
   params = init_draft_params(target.params, target.config, dcfg, jax.random.PRNGKey(0))
   return Drafter(dcfg, params, target.fingerprint)
 

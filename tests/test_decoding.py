@@ -978,6 +978,86 @@ def test_a_drafter_reading_the_bonus_decodes_losslessly_without_parallel(
   assert not np.array_equal(first_drafts(drafter), first_drafts(plain))
 
 
+def test_two_drafters_one_for_each_mode(target, cost_cache, monkeypatch):
+  # generate(parallel_drafter=P): parallel steps draft with P (trained blind),
+  # sequential steps with the drafter that reads the bonus; flex weighs both,
+  # and the drafts in flight pass between them losslessly.
+  import dataclasses
+  import warnings
+  prompts = prompts_for(3, seed=6)
+  reading = bonus_drafter(target)
+  blind = random_drafter(target, block_size=4, seed=3, noise=0.5)
+  blind = blind._replace(config=dataclasses.replace(blind.config, bonus_input=True,
+                                                    bonus_dropout=1.0))
+  blind = blind._replace(params=dict(blind.params, bonus_in=reading.params["bonus_in"]))
+  assert blind.config.drafts_blind and not reading.config.drafts_blind
+  ref = fd.generate(target, prompts, max_new_tokens=30)
+  used = []  # (mode, the draft params' mask vector) of every chunk
+  real_chunk = chunk.run_chunk
+  monkeypatch.setattr(chunk, "run_chunk", lambda tp, dp, st, **kw: used.append(
+      (str(kw["mode"]), None if dp is None else float(np.asarray(dp["mask"]).sum())))
+      or real_chunk(tp, dp, st, **kw))
+  mark = {float(np.asarray(reading.params["mask"]).sum()): "reading",
+          float(np.asarray(blind.params["mask"]).sum()): "blind"}
+  assert len(mark) == 2
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", fd.FlexDraftWarning)
+    for mode, spec in (("flex", {}), ("flex", dict(flex_threshold=8)),
+                       ("flex", dict(flex_threshold=0)), ("parallel", {})):
+      used.clear()
+      out = fd.generate(target, prompts, max_new_tokens=30, drafter=reading,
+                        parallel_drafter=blind, mode=mode,
+                        speculation=fd.SpecOptions(**spec))
+      assert_lossless(target, prompts, ref.token_ids, out.token_ids)
+      ran = {(m, mark[x]) for m, x in used if m != "ar"}
+      # each mode with its own drafter, and only with it
+      assert ran <= {("parallel", "blind"), ("sequential", "reading")}, (mode, spec, ran)
+      want = {"flex": {m for m in ("parallel", "sequential")
+                       if (spec.get("flex_threshold") == 8) == (m == "parallel")},
+              "parallel": {"parallel"}}[mode]
+      if spec or mode == "parallel":  # B* given: it says which mode runs
+        assert {m for m, _ in ran} == want, (mode, spec, ran)
+  # flex with B* = "auto" times (and so weighs) both modes
+  timed = []
+  real = driver.Driver._time
+  monkeypatch.setattr(driver.Driver, "_time",
+                      lambda self, *a, **kw: timed.append(a[1]) or real(self, *a, **kw))
+  out = fd.generate(target, prompts, max_new_tokens=30, drafter=reading,
+                    parallel_drafter=blind, mode="flex",
+                    speculation=fd.SpecOptions(cost_cache=""))
+  assert_lossless(target, prompts, ref.token_ids, out.token_ids)
+  assert "parallel" in timed and "sequential" in timed
+  # sampled drafts (T > 0) hand their draft distributions over too: the run
+  # completes, every row within its budget
+  out = fd.generate(target, prompts, max_new_tokens=12, drafter=reading,
+                    parallel_drafter=blind, mode="flex",
+                    sampling=fd.SamplingParams(temperature=1.0, draft_sampling=True),
+                    speculation=fd.SpecOptions(flex_threshold=2))
+  assert all(0 < len(t) <= 12 for t in out.token_ids)
+  # sequential mode has no use for it, and says so
+  with pytest.warns(fd.FlexDraftWarning, match="does not use the parallel drafter"):
+    fd.generate(target, prompts, max_new_tokens=4, drafter=reading,
+                parallel_drafter=blind, mode="sequential")
+
+
+def test_two_drafters_must_share_block_size_and_draft_vocabulary(target):
+  reading = bonus_drafter(target)
+  other_block = random_drafter(target, block_size=2, seed=3)
+  with pytest.raises(fd.FlexDraftError, match="block size 2 differs from the drafter's 4"):
+    fd.generate(target, [[1, 2, 3]], max_new_tokens=4, drafter=reading,
+                parallel_drafter=other_block, mode="flex")
+  ids = np.arange(0, target.config.vocab_size, 2)
+  narrow = vocab_drafter(random_drafter(target, block_size=4, seed=3), ids)
+  with pytest.raises(fd.FlexDraftError, match="draft vocabulary differs"):
+    fd.generate(target, [[1, 2, 3]], max_new_tokens=4, drafter=reading,
+                parallel_drafter=narrow, mode="flex")
+  # a parallel drafter that reads the bonus would draft blind, poorly: a warning
+  with pytest.warns(fd.FlexDraftWarning, match="parallel drafter was trained to read"):
+    fd.generate(target, [[1, 2, 3]], max_new_tokens=4, drafter=reading,
+                parallel_drafter=bonus_drafter(target), mode="flex",
+                speculation=fd.SpecOptions(flex_threshold=8))
+
+
 def test_a_drafter_trained_blind_too_runs_every_mode(target, cost_cache, monkeypatch):
   # bonus_dropout > 0: the same weights draft blind inside the verify forward
   # (parallel mode: slot 0 is the mask alone) and with the bonus after it

@@ -25,15 +25,18 @@ class Driver:
   """Runs chunks of jitted steps until every row is done."""
 
   def __init__(self, target, drafter, mode, opts, static, traced, B, S,
-               steps_per_call=16, mesh=None):
+               steps_per_call=16, mesh=None, parallel_drafter=None):
     self.target, self.drafter, self.mode, self.opts = target, drafter, mode, opts
+    # Parallel steps' own drafter, if any (generate's `parallel_drafter`).
+    self.parallel_drafter = parallel_drafter
     self.static, self.traced, self.B, self.S = static, traced, B, S
     self.steps_per_call = steps_per_call
     self.bs = drafter.config.block_size if drafter is not None else 1
     # Verify lengths k that get a compiled step (parallel: k groups).
     self.k_max, self.buckets = (chunk.verify_buckets(self.bs, opts) if drafter
                                 else (1, ()))
-    self.policy = (flex.FlexPolicy(target, drafter, opts, self.buckets, self._time)
+    self.policy = (flex.FlexPolicy(target, drafter, opts, self.buckets, self._time,
+                                   parallel_drafter=parallel_drafter)
                    if mode == Mode.FLEX else None)
     self.group_counts, self.modes = [], []
     self.stale_drafts = False
@@ -57,11 +60,14 @@ class Driver:
     return self._call(state, mode, k, n_steps, refresh)
 
   def _call(self, state, mode, k, n_steps, refresh=False):
-    dparams = None if self.drafter is None else self.drafter.params
+    drafter = (self.parallel_drafter if mode == Mode.PARALLEL and self.parallel_drafter
+               else self.drafter)
+    static = self.static if drafter is None else dict(self.static, dcfg=drafter.config)
     return chunk.run_chunk(
-        self.target.params, dparams, state, mode=mode, num_groups=k,
-        n_steps=jnp.int32(n_steps), theta=jnp.float32(self.opts.threshold),
-        strategy=self.opts.strategy, refresh=refresh, **self.static, **self.traced)
+        self.target.params, None if drafter is None else drafter.params, state,
+        mode=mode, num_groups=k, n_steps=jnp.int32(n_steps),
+        theta=jnp.float32(self.opts.threshold), strategy=self.opts.strategy,
+        refresh=refresh, **static, **self.traced)
 
   def _bucket(self, needed: int) -> int:
     return next((g for g in self.buckets if g >= needed), self.buckets[-1])

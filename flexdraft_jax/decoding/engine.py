@@ -91,6 +91,7 @@ def _stop_ids(target, stop) -> tuple:
 
 
 def generate(target, prompts: Sequence, *, drafter: Optional[Drafter] = None,
+             parallel_drafter: Optional[Drafter] = None,
              mode: str = "ar", max_new_tokens: int = 128,
              sampling: SamplingParams = SamplingParams(),
              speculation: SpecOptions = SpecOptions(),
@@ -104,6 +105,10 @@ def generate(target, prompts: Sequence, *, drafter: Optional[Drafter] = None,
   (block size, verify length, θ, flex's B*, the draft dtype, the cost cache)
   and `runtime` (batch size, cache length, attention kernel); see options.py.
   `stop`: token ids or single-token strings (default: the model's EOS).
+  `parallel_drafter`: a second drafter, trained to draft blind, that parallel
+  mode uses (in "parallel", and in "flex" where it picks parallel steps);
+  `drafter` then drafts for sequential steps only. It must share `drafter`'s
+  block size and draft vocabulary (the drafts in flight pass between them).
   Returns GenerateResult(token_ids, texts, stats).
   """
   mode = check_options(mode=mode, max_new_tokens=max_new_tokens, sampling=sampling,
@@ -111,14 +116,24 @@ def generate(target, prompts: Sequence, *, drafter: Optional[Drafter] = None,
   if not _is_int(seed):
     raise FlexDraftError(f"seed must be an integer, got {type(seed).__name__} {seed!r}")
   for line in ignored_options(mode=mode, sampling=sampling, speculation=speculation,
-                              drafter=drafter):
+                              drafter=drafter, parallel_drafter=parallel_drafter):
     warnings.warn(line, FlexDraftWarning, stacklevel=2)
+  if mode == Mode.PARALLEL and parallel_drafter is not None:
+    drafter = parallel_drafter  # parallel steps only: the one drafter they use
   if mode != Mode.AR and drafter is None:
     raise FlexDraftError(f"mode {str(mode)!r} needs a drafter (--drafter PATH)")
+  if mode not in (Mode.PARALLEL, Mode.FLEX):
+    parallel_drafter = None
   if mode == Mode.AR:
     drafter = None
   else:
     drafter = _speculative_drafter(drafter, target, mode, speculation)
+  if parallel_drafter is not None and parallel_drafter is not drafter:
+    parallel_drafter = _speculative_drafter(parallel_drafter, target, Mode.PARALLEL,
+                                            speculation, warn_blind=False)
+    _check_drafter_pair(drafter, parallel_drafter)
+  else:
+    parallel_drafter = None
   prompts = check_prompts(prompts)
   n_ids = sum(not isinstance(p, str) for p in prompts)
   if target.tokenizer is None and n_ids < len(prompts):
@@ -136,19 +151,21 @@ def generate(target, prompts: Sequence, *, drafter: Optional[Drafter] = None,
     chunk = ids[start:start + batch_size]
     memory_maps.release_if_near_limit()
     toks, st = _generate_batch(target, chunk, max_new_tokens, sampling, seed + start,
-                               drafter, mode, speculation, stop_ids, runtime, narrow)
+                               drafter, mode, speculation, stop_ids, runtime, narrow,
+                               parallel_drafter)
     results[start:start + len(chunk)] = toks
     stats_list.append(st)
   return GenerateResult(results, _texts(target.tokenizer, results),
                         _merge_stats(stats_list, mode))
 
 
-def _speculative_drafter(drafter: Drafter, target, mode: Mode, so: SpecOptions) -> Drafter:
+def _speculative_drafter(drafter: Drafter, target, mode: Mode, so: SpecOptions,
+                         warn_blind: bool = True) -> Drafter:
   """`drafter` checked against `target` and `mode`, with `so`'s block size and
   calibration."""
   from flexdraft_jax.drafter.compat import check_compatible
   check_compatible(drafter, target)
-  if mode == Mode.PARALLEL and not drafter.config.drafts_blind:
+  if warn_blind and mode == Mode.PARALLEL and not drafter.config.drafts_blind:
     warnings.warn("mode 'parallel' drafts before the bonus is known and this drafter "
                   "was trained to read it (bonus_input without bonus_dropout): it "
                   "drafts blind, poorly; 'sequential' or 'flex' suit it",
@@ -160,6 +177,27 @@ def _speculative_drafter(drafter: Drafter, target, mode: Mode, so: SpecOptions) 
   if not so.calibrate:  # ablation: drafts without the bonus-guided calibration
     drafter = drafter._replace(config=dataclasses.replace(drafter.config, calibrate=False))
   return drafter
+
+
+def _check_drafter_pair(drafter: Drafter, parallel_drafter: Drafter):
+  """The drafts in flight pass between the two drafters as flex switches modes
+  (and at T > 0 with their draft distributions): one block size, one draft
+  vocabulary."""
+  a, b = drafter.config, parallel_drafter.config
+  if a.block_size != b.block_size:
+    raise FlexDraftError(f"the parallel drafter's block size {b.block_size} differs from "
+                         f"the drafter's {a.block_size}: they must match")
+  va, vb = drafter.params.get("vocab"), parallel_drafter.params.get("vocab")
+  same = (va is None and vb is None) or (
+      va is not None and vb is not None and va.shape == vb.shape
+      and bool(np.array_equal(np.asarray(va), np.asarray(vb))))
+  if not same:
+    raise FlexDraftError("the parallel drafter's draft vocabulary differs from the "
+                         "drafter's: they must draft over the same token ids")
+  if not b.drafts_blind:
+    warnings.warn("the parallel drafter was trained to read the bonus (bonus_input "
+                  "without bonus_dropout): parallel mode drafts before the bonus is "
+                  "known, so it drafts blind, poorly", FlexDraftWarning, stacklevel=4)
 
 
 def _texts(tokenizer, results: list) -> list:
@@ -282,7 +320,7 @@ def _capacity(cfg, plens, max_new, bs, max_len):
 
 
 def _generate_batch(target, ids, max_new, sp, seed, drafter, mode, opts, stop_ids,
-                    runtime: RuntimeOptions, draft_dtype=None):
+                    runtime: RuntimeOptions, draft_dtype=None, parallel_drafter=None):
   cfg = target.config
   mesh = sharding.batch_mesh()
   B, Bp = len(ids), sharding.padded_batch(len(ids), mesh)
@@ -297,6 +335,10 @@ def _generate_batch(target, ids, max_new, sp, seed, drafter, mode, opts, stop_id
   dcfg = None if drafter is None else drafter.config
   dparams = None if drafter is None else sharding.replicate(
       mesh, _draft_decoding_params(target.params, cfg, drafter.params, draft_dtype))
+  if parallel_drafter is not None:
+    parallel_drafter = parallel_drafter._replace(params=sharding.replicate(
+        mesh, _draft_decoding_params(target.params, cfg, parallel_drafter.params,
+                                     draft_dtype)))
   target = target._replace(
       params=sharding.replicate(mesh, _decoding_params(target.params)))
   drafter = None if drafter is None else drafter._replace(params=dparams)
@@ -310,7 +352,8 @@ def _generate_batch(target, ids, max_new, sp, seed, drafter, mode, opts, stop_id
   jax.block_until_ready(state)
   t1, w1 = time.perf_counter(), timing.now()
   driver = Driver(target, drafter, mode, opts, static, traced, Bp, S,
-                       steps_per_call=runtime.steps_per_call, mesh=mesh)
+                  steps_per_call=runtime.steps_per_call, mesh=mesh,
+                  parallel_drafter=parallel_drafter)
   state = jax.block_until_ready(driver.run(state, max_new))
   w2 = timing.now()
   # Decode time leaves out compiling and flex's one-time step-cost timing.

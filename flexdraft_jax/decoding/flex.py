@@ -136,12 +136,15 @@ class FlexPolicy:
   `state` and returns its seconds (the driver owns the jitted chunk).
   """
 
-  def __init__(self, target, drafter, opts, buckets, time_step):
+  def __init__(self, target, drafter, opts, buckets, time_step, parallel_drafter=None):
     self.target, self.drafter, self.opts = target, drafter, opts
+    self.parallel_drafter = parallel_drafter
     self.buckets, self.time_step = buckets, time_step
     # Parallel mode drafts in the verify forward, before the bonus is known:
-    # only for a drafter trained to draft so (DrafterConfig.drafts_blind).
-    self.modes = ((Mode.SEQUENTIAL, Mode.PARALLEL) if drafter.config.drafts_blind
+    # only with a drafter trained to draft so (DrafterConfig.drafts_blind), or
+    # a parallel drafter of its own.
+    self.modes = ((Mode.SEQUENTIAL, Mode.PARALLEL)
+                  if drafter.config.drafts_blind or parallel_drafter is not None
                   else (Mode.SEQUENTIAL,))
     bs = drafter.config.block_size
     self.costs = None              # step costs at the current batch shape
@@ -471,7 +474,17 @@ class FlexPolicy:
         self.opts.threshold > 0, self.buckets, tuple(map(str, self.modes)),
         "cpu_matmul" if cpu_matmul.available() else "dot",
         narrowed_dtype(self.drafter.params) or "draft_dtype=target",
-        f"rescore{d.rescore_top}" if d.rescores else "no_rescore")))
+        f"rescore{d.rescore_top}" if d.rescores else "no_rescore",
+        *self._parallel_key())))
+
+  def _parallel_key(self) -> tuple:
+    """The parallel drafter's part of the cost key (none without one)."""
+    p = self.parallel_drafter
+    if p is None:
+      return ()
+    d = p.config
+    return ("parallel_drafter", d.num_layers, d.calib_rank,
+            f"rescore{d.rescore_top}" if d.rescores else "no_rescore")
 
   def measure(self, state, B: int, S: int, again: bool = False) -> dict:
     """Seconds per step at this batch shape: AR, and each speculative mode at

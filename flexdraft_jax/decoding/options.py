@@ -198,7 +198,7 @@ def check_options(*, mode="ar", max_new_tokens=128, sampling=SamplingParams(),
 
 
 def ignored_options(*, mode="ar", sampling=SamplingParams(), speculation=SpecOptions(),
-                    drafter=None, spell=python_name) -> list:
+                    drafter=None, parallel_drafter=None, spell=python_name) -> list:
   """One line per option given that has no effect with the others (they
   would otherwise be ignored silently). `spell` names an option (CLI flags)."""
   sp, so, out = sampling, speculation, []
@@ -212,6 +212,9 @@ def ignored_options(*, mode="ar", sampling=SamplingParams(), speculation=SpecOpt
     if so.draft_dtype != "auto":
       out.append(f"{spell('draft_dtype')}={so.draft_dtype} has no effect in mode 'ar' "
                  "(no drafts)")
+  if parallel_drafter is not None and mode not in (Mode.PARALLEL, Mode.FLEX):
+    out.append(f"mode {str(mode)!r} does not use the parallel drafter "
+               f"({spell('parallel_drafter')}): only 'parallel' and 'flex' do")
   if mode != Mode.FLEX and so.flex_threshold != "auto":
     out.append(f"{spell('flex_threshold')} has no effect in mode {str(mode)!r}")
   if sp.draft_sampling and sp.greedy:
