@@ -169,3 +169,40 @@ def test_a_drafter_with_the_ngram_prior_samples_the_target_distribution(setup, k
   r = _sample(target, ngram_drafter(target, block_size=4, weight=1.0), "sequential", **kw)
   assert _kept(r) > 1.08, _kept(r)
   assert _chi2_pvalue(r.token_ids, exact) > 1e-3
+
+
+@pytest.mark.parametrize("block_size, budget", [(2, 4), (4, 10)])
+def test_a_draft_tree_samples_the_target_distribution(block_size, budget):
+  # Siblings are point-mass drafts: a node continues where the target's sample
+  # at its parent is its token, so a step accepts Σ p(children) at each level.
+  target = tiny_target(vocab=V, eos=0, scale=0.5, seed=4)
+  drafter = bigram_drafter(target, block_size=block_size, scale=3.0)
+  chain = _sample(target, drafter, "sequential")
+  r = _sample(target, drafter, "sequential", tree_budget=budget)
+  assert _kept(r) > _kept(chain) + 0.05, (_kept(r), _kept(chain))
+  assert _chi2_pvalue(r.token_ids, _exact_distribution(target)) > 1e-3
+
+
+_LOSSY_TREE_DRIVER = """
+from flexdraft_jax.decoding import tree
+from tests import test_sampling_lossless as t
+from tests.decoding_util import bigram_drafter, tiny_target
+real = tree.accepted_path
+# A wrong rule: the root's first child is taken as if the target had sampled it.
+tree.accepted_path = lambda tk, p, d, y, m: real(tk, p, d, y.at[:, 0].set(tk[:, 1]), m)
+target = tiny_target(vocab=t.V, eos=0, scale=0.5, seed=4)
+r = t._sample(target, bigram_drafter(target, block_size=2, scale=3.0), "sequential",
+              tree_budget=4)
+print("pvalue", t._chi2_pvalue(r.token_ids, t._exact_distribution(target)))
+"""
+
+
+def test_a_wrong_tree_acceptance_rule_fails():
+  import subprocess
+  import sys
+  from tests import tiny
+  env = dict(os.environ, FLEXDRAFT_TEST_XLA_CACHE=jax.config.jax_compilation_cache_dir)
+  out = subprocess.run([sys.executable, "-c", _LOSSY_TREE_DRIVER], cwd=tiny.REPO, env=env,
+                       capture_output=True, text=True, timeout=900)
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert float(out.stdout.split("pvalue")[-1]) < 1e-6

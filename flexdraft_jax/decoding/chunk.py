@@ -12,7 +12,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from flexdraft_jax.decoding import ar, parallel, sequential, verify
+from flexdraft_jax.decoding import ar, parallel, sequential, tree, verify
 from flexdraft_jax.decoding.options import Mode, SpecOptions
 from flexdraft_jax.decoding.state import DecodeState, prefill
 from flexdraft_jax.drafter.model import Drafter
@@ -34,10 +34,10 @@ def group_buckets(bs: int, opts: SpecOptions) -> tuple:
 
 
 @functools.partial(jax.jit, static_argnames=(
-    "cfg", "dcfg", "S", "sp", "out_len", "attn_impl", "cache_sharding"))
+    "cfg", "dcfg", "S", "sp", "out_len", "attn_impl", "cache_sharding", "tree_top"))
 def prefill_batch(target_params, draft_params, prompt_BxP, plen_B, valid_B, key, *,
              cfg, dcfg, S, sp, max_new, out_len, stop_ids, attn_impl,
-             cache_sharding=None):
+             cache_sharding=None, tree_top=0):
   B = prompt_BxP.shape[0]
   cache = pytree.KVCache.zeros(
       cfg, B, S, target_params["embed"].dtype,
@@ -47,17 +47,19 @@ def prefill_batch(target_params, draft_params, prompt_BxP, plen_B, valid_B, key,
   drafter = None if dcfg is None else Drafter(dcfg, draft_params)
   return prefill(target_params, cfg, cache, prompt_BxP, plen_B, valid_B, key,
                  sp=sp, max_new=max_new, out_len=out_len, stop_ids=stop_ids,
-                 drafter=drafter, attn_impl=attn_impl)
+                 drafter=drafter, attn_impl=attn_impl, tree_top=tree_top)
 
 
 @functools.partial(jax.jit, donate_argnames=("state",), static_argnames=(
-    "cfg", "dcfg", "mode", "num_groups", "sp", "strategy", "attn_impl", "refresh"))
+    "cfg", "dcfg", "mode", "num_groups", "sp", "strategy", "attn_impl", "refresh",
+    "tree_budget"))
 def run_chunk(target_params, draft_params, state: DecodeState, *, cfg, dcfg, mode,
               num_groups, n_steps, sp, max_new, stop_ids, theta, strategy,
-              attn_impl, refresh=False):
+              attn_impl, refresh=False, tree_budget=0):
   """Up to `n_steps` steps of one mode in a device loop (stops when all rows are
   done). `num_groups` is the verify length k: parallel's group count, or the
-  positions of sequential's verify block."""
+  positions of sequential's verify block. `tree_budget` > 0: sequential steps
+  verify a draft tree of that many nodes instead (tree.py)."""
   drafter = None if dcfg is None else Drafter(dcfg, draft_params)
   kw = dict(sp=sp, max_new=max_new, stop_ids=stop_ids, attn_impl=attn_impl)
   if refresh:  # drafts went stale during AR steps
@@ -65,6 +67,9 @@ def run_chunk(target_params, draft_params, state: DecodeState, *, cfg, dcfg, mod
                                   attn_impl=attn_impl)
   if mode == Mode.AR:
     step = lambda st: ar.ar_step(target_params, cfg, st, **kw)
+  elif mode == Mode.SEQUENTIAL and tree_budget:
+    step = lambda st: tree.tree_step(target_params, cfg, drafter, st, budget=tree_budget,
+                                     **kw)
   elif mode == Mode.SEQUENTIAL:
     step = lambda st: sequential.sequential_step(
         target_params, cfg, drafter, st, verify_len=num_groups, theta=theta,
@@ -106,6 +111,7 @@ def take_rows(state, idx_R):
       cache=jax.tree.map(batch, state.cache),
       length_B=batch(state.length_B), bonus_B=batch(state.bonus_B),
       drafts_BxD=batch(state.drafts_BxD), conf_BxD=batch(state.conf_BxD),
-      q_BxDxV=batch(state.q_BxDxV), out_BxO=batch(state.out_BxO),
+      q_BxDxV=batch(state.q_BxDxV), cand_BxDxC=batch(state.cand_BxDxC),
+      cand_lp_BxDxC=batch(state.cand_lp_BxDxC), out_BxO=batch(state.out_BxO),
       n_out_B=batch(state.n_out_B), done_B=batch(state.done_B),
       hist_BxL=batch(state.hist_BxL))

@@ -63,11 +63,12 @@ class Driver:
     drafter = (self.parallel_drafter if mode == Mode.PARALLEL and self.parallel_drafter
                else self.drafter)
     static = self.static if drafter is None else dict(self.static, dcfg=drafter.config)
+    tree_budget = (self.opts.tree_budget or 0) if mode == Mode.SEQUENTIAL else 0
     return chunk.run_chunk(
         self.target.params, None if drafter is None else drafter.params, state,
         mode=mode, num_groups=k, n_steps=jnp.int32(n_steps),
         theta=jnp.float32(self.opts.threshold), strategy=self.opts.strategy,
-        refresh=refresh, **static, **self.traced)
+        refresh=refresh, tree_budget=tree_budget, **static, **self.traced)
 
   def _bucket(self, needed: int) -> int:
     return next((g for g in self.buckets if g >= needed), self.buckets[-1])

@@ -134,6 +134,7 @@ def generate(target, prompts: Sequence, *, drafter: Optional[Drafter] = None,
     _check_drafter_pair(drafter, parallel_drafter)
   else:
     parallel_drafter = None
+  tree_top = _tree_top(drafter, mode, speculation, sampling, target.config.vocab_size)
   prompts = check_prompts(prompts)
   n_ids = sum(not isinstance(p, str) for p in prompts)
   if target.tokenizer is None and n_ids < len(prompts):
@@ -152,7 +153,7 @@ def generate(target, prompts: Sequence, *, drafter: Optional[Drafter] = None,
     memory_maps.release_if_near_limit()
     toks, st = _generate_batch(target, chunk, max_new_tokens, sampling, seed + start,
                                drafter, mode, speculation, stop_ids, runtime, narrow,
-                               parallel_drafter)
+                               parallel_drafter, tree_top)
     results[start:start + len(chunk)] = toks
     stats_list.append(st)
   return GenerateResult(results, _texts(target.tokenizer, results),
@@ -177,6 +178,30 @@ def _speculative_drafter(drafter: Drafter, target, mode: Mode, so: SpecOptions,
   if not so.calibrate:  # ablation: drafts without the bonus-guided calibration
     drafter = drafter._replace(config=dataclasses.replace(drafter.config, calibrate=False))
   return drafter
+
+
+def _tree_top(drafter: Optional[Drafter], mode: Mode, so: SpecOptions,
+              sp: SamplingParams, vocab_size: int) -> int:
+  """Candidates kept per draft slot for draft trees (`speculation.tree_budget`;
+  0 without): the drafter's `rescore_top`, the candidates its n-gram prior
+  re-scores. Checks the budget against what the drafter can fill."""
+  if so.tree_budget is None or drafter is None:
+    return 0
+  if mode != Mode.SEQUENTIAL:
+    raise FlexDraftError(f"{python_name('tree_budget')} runs in mode 'sequential' "
+                         f"(draft trees verify, then draft), not {str(mode)!r}")
+  if sp.draft_sampling and not sp.greedy:
+    raise FlexDraftError(f"{python_name('tree_budget')} verifies the likeliest drafts "
+                         f"(each node a point-mass draft): turn "
+                         f"{python_name('draft_sampling')} off")
+  dcfg = drafter.config
+  top = min(dcfg.rescore_top, dcfg.draft_vocab or vocab_size)
+  most = 1 + (dcfg.block_size - 1) * top
+  if so.tree_budget > most:
+    raise FlexDraftError(f"{python_name('tree_budget')}={so.tree_budget} exceeds the "
+                         f"{most} nodes this drafter's block can fill (block "
+                         f"{dcfg.block_size}, {top} candidates a slot)")
+  return top
 
 
 def _check_drafter_pair(drafter: Drafter, parallel_drafter: Drafter):
@@ -290,12 +315,14 @@ def _cached(cache, key, trees: tuple, make):
   return hit[1]
 
 
-def _capacity(cfg, plens, max_new, bs, max_len):
+def _capacity(cfg, plens, max_new, bs, max_len, tree_budget=0):
   """The KV-cache length: `max_len` (rounded up to KV_BLOCK) or what the
   request needs. The model's context bounds prompt + new tokens either way; a
   `max_len` too short for the request is an error, never silently enlarged."""
   longest = max(plens)
-  need = longest + max_new + 2 * bs + 1  # + room for two draft blocks past the end
+  # + room for two draft blocks past the end (a draft tree's nodes, if more)
+  spare = max(2 * bs, tree_budget or 0) + 1
+  need = longest + max_new + spare
   if max_len is not None and longest + 1 > max_len:
     raise FlexDraftError(f"a prompt has {longest} tokens, longer than the cache "
                          f"(runtime.max_len={max_len})")
@@ -308,9 +335,9 @@ def _capacity(cfg, plens, max_new, bs, max_len):
   if max_len < need:
     raise FlexDraftError(
         f"runtime.max_len={max_len} is too short: a prompt of {longest} tokens + max_new_tokens="
-        f"{max_new} needs {need} (with {2 * bs + 1} spare positions for the decode "
+        f"{max_new} needs {need} (with {spare} spare positions for the decode "
         "steps); raise it, or leave it unset")
-  most = round_up(cfg.max_position_embeddings + 2 * bs + 1, KV_BLOCK)
+  most = round_up(cfg.max_position_embeddings + spare, KV_BLOCK)
   if max_len > most:  # positions past the context are never written: memory for nothing
     raise FlexDraftError(
         f"runtime.max_len={max_len} is beyond the model's context of "
@@ -320,13 +347,15 @@ def _capacity(cfg, plens, max_new, bs, max_len):
 
 
 def _generate_batch(target, ids, max_new, sp, seed, drafter, mode, opts, stop_ids,
-                    runtime: RuntimeOptions, draft_dtype=None, parallel_drafter=None):
+                    runtime: RuntimeOptions, draft_dtype=None, parallel_drafter=None,
+                    tree_top=0):
   cfg = target.config
   mesh = sharding.batch_mesh()
   B, Bp = len(ids), sharding.padded_batch(len(ids), mesh)
   plens = [len(x) for x in ids] + [1] * (Bp - len(ids))  # pad rows start done
   bs = drafter.config.block_size if drafter is not None else 1
-  S = _capacity(cfg, plens, max_new, bs, runtime.max_len)
+  S = _capacity(cfg, plens, max_new, bs, runtime.max_len,
+                opts.tree_budget if tree_top else 0)
   prompt = np.zeros((Bp, round_up(max(plens), 32)), np.int32)
   for i, x in enumerate(ids):
     prompt[i, :len(x)] = x
@@ -348,7 +377,8 @@ def _generate_batch(target, ids, max_new, sp, seed, drafter, mode, opts, stop_id
   t0 = time.perf_counter()
   state = prefill_batch(target.params, dparams, prompt, plen, valid,
                    jax.random.PRNGKey(seed), S=S, out_len=S,  # max_new < S; shapes need only S
-                   cache_sharding=sharding.cache_sharding(mesh), **static, **traced)
+                   cache_sharding=sharding.cache_sharding(mesh), tree_top=tree_top,
+                   **static, **traced)
   jax.block_until_ready(state)
   t1, w1 = time.perf_counter(), timing.now()
   driver = Driver(target, drafter, mode, opts, static, traced, Bp, S,

@@ -86,12 +86,17 @@ class SpecOptions:
   cost_cache: object = "default"    # flex's step-cost file (step_costs.cost_cache_path)
   calibrate: bool = True            # False: drafts without the bonus calibration (ablation)
   group_buckets: tuple = ()         # verify lengths that compile (() -> 2, 3, 4, 8, …)
+  # N > 0: sequential steps verify a draft tree of N nodes (the bonus and N - 1
+  # drafts, decoding/tree.py) instead of a chain; None: the chain
+  tree_budget: Optional[int] = None
 
   def __post_init__(self):
     if self.block_size is not None:
       _check_int("block_size", self.block_size, 2)
     if self.verify_len is not None:
       _check_int("verify_len", self.verify_len, 2)
+    if self.tree_budget is not None:
+      _check_int("tree_budget", self.tree_budget, 2, " (unset: a chain)")
     t = self.threshold
     if not isinstance(t, numbers.Real) or isinstance(t, bool) or not 0.0 <= t <= 1.0:
       raise FlexDraftError(f"threshold θ must be in [0, 1], got {t}")

@@ -40,6 +40,20 @@ class DecodeState(NamedTuple):
   # int32 [B, P + O + 1]: the token at each position through the bonus (-1
   # after it), for a drafter whose n-gram prior reads the row's text; else [B, 0]
   hist_BxL: jax.Array
+  # Draft trees (decoding/tree.py; C = 0 without): each slot's C likeliest
+  # draft-vocabulary indices by the calibrated draft logits before the n-gram
+  # prior, best first, int32 [B, D, C], and their log-probabilities [B, D, C]
+  cand_BxDxC: jax.Array
+  cand_lp_BxDxC: jax.Array
+
+
+class Drafts(NamedTuple):
+  """What a mask block drafts (`draft_tokens`)."""
+  ids_BxD: jax.Array      # the drafts (token ids)
+  conf_BxD: jax.Array     # their confidences
+  q_BxDxV: jax.Array      # draft distributions (sampled drafts; else [B, D, 0])
+  cand_BxDxC: jax.Array   # each slot's `top` candidates (draft-vocabulary indices)
+  cand_lp_BxDxC: jax.Array  # and their log-probabilities
 
 
 def emit(state: DecodeState, new_BxE, n_new_B, max_new, stop_ids_S):
@@ -69,16 +83,22 @@ DRAFT_KEY_OFFSET = 1 << 30  # keeps draft sampling's keys apart from verificatio
 
 
 def draft_tokens(target_params, cfg, drafter, hm_BxbsxH, bonus_B, sp: SamplingParams, key,
-                 hist_BxL=None, bonus_at_B=None):
+                 hist_BxL=None, bonus_at_B=None, top: int = 0) -> Drafts:
   """Drafts d1..d_{bs-1} from mask slots 1.., their confidences and, for sampled
   drafts, their distributions q (else an empty `[B, D, 0]`). `hist[:, :bonus_at
   + 1]` is each row's text through the bonus (the n-gram prior reads it; None:
-  no text, the data's n-grams alone)."""
+  no text, the data's n-grams alone). `top` > 0: also each slot's `top`
+  likeliest candidates before the prior, for draft trees."""
   h = hm_BxbsxH[:, 1:]
   bonus = jnp.broadcast_to(bonus_B[:, None], h.shape[:2])
   lg = drafter_model.DraftModel.of(cfg, drafter.config, target_params).apply(
       transformer.variables(target_params, drafter.params), h, bonus, method="logits")
   to_ids = lambda idx: drafter_model.to_token_ids(drafter.params, idx.astype(jnp.int32))
+  cand = jnp.zeros(h.shape[:2] + (top,), jnp.int32)
+  cand_lp = jnp.zeros(h.shape[:2] + (top,), jnp.float32)
+  if top:
+    cand_lp, cand = jax.lax.top_k(jax.nn.log_softmax(lg.astype(jnp.float32), axis=-1), top)
+    cand = jax.lax.optimization_barrier(cand.astype(jnp.int32))
   if drafter.config.rescores:  # each slot re-scored given the drafts before it
     if hist_BxL is None:  # no row text known: the data's n-grams alone
       hist_BxL, bonus_at_B = jnp.zeros((h.shape[0], 0), jnp.int32), jnp.zeros_like(bonus_B)
@@ -95,11 +115,12 @@ def draft_tokens(target_params, cfg, drafter, hm_BxbsxH, bonus_B, sp: SamplingPa
     idx = jnp.argmax(lg, axis=-1)
   probs_max = jnp.max(jax.nn.softmax(lg, axis=-1), axis=-1)
   if not sp.sampled_drafts:
-    return to_ids(idx), probs_max, jnp.zeros(h.shape[:2] + (0,), jnp.float32)
+    return Drafts(to_ids(idx), probs_max, jnp.zeros(h.shape[:2] + (0,), jnp.float32),
+                  cand, cand_lp)
   q = drafter_model.to_full_vocab(drafter.params,
                                   jax.nn.softmax(processed_logits(lg, sp), axis=-1),
                                   cfg.vocab_size)
-  return to_ids(idx), probs_max, q
+  return Drafts(to_ids(idx), probs_max, q, cand, cand_lp)
 
 
 def record_tokens(hist_BxL, length_B, new_BxE, n_new_B, live_B):
@@ -129,8 +150,9 @@ def mask_block(start_B, limit_B, num_groups: int, bs: int, bonus_B=None):
 def prefill(target_params, cfg, cache, prompt_BxP, plen_B, valid_B, key, *,
             sp: SamplingParams, max_new, out_len: int, stop_ids,
             drafter: Optional[drafter_model.Drafter] = None,
-            attn_impl: str = "xla") -> DecodeState:
-  """Prompts through the target (and the first mask block), first token t0."""
+            attn_impl: str = "xla", tree_top: int = 0) -> DecodeState:
+  """Prompts through the target (and the first mask block), first token t0.
+  `tree_top`: candidates kept per draft slot for draft trees (0: none)."""
   B, P = prompt_BxP.shape
   pos = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P))
   masks, L, bs = None, 0, 1
@@ -154,19 +176,19 @@ def prefill(target_params, cfg, cache, prompt_BxP, plen_B, valid_B, key, *,
     hist = jnp.full((B, P + out_len + 1), -1, jnp.int32)
     hist = hist.at[:, :P].set(jnp.where(pos < plen_B[:, None], prompt_BxP, -1))
     hist = hist.at[jnp.arange(B), plen_B].set(t0)
-  if joint:
-    drafts, conf, q = draft_tokens(target_params, cfg, drafter, hm, t0, sp, sub_draft,
-                                   hist, plen_B)
-  elif drafter is not None:
-    hm = deep_pass(target_params, cfg, drafter, cache, plen_B, t0, attn_impl)
-    drafts, conf, q = draft_tokens(target_params, cfg, drafter, hm, t0, sp, sub_draft,
-                                   hist, plen_B)
+  if drafter is not None:
+    if not joint:
+      hm = deep_pass(target_params, cfg, drafter, cache, plen_B, t0, attn_impl)
+    d = draft_tokens(target_params, cfg, drafter, hm, t0, sp, sub_draft, hist, plen_B,
+                     top=tree_top)
   else:
-    drafts, conf = jnp.zeros((B, 0), jnp.int32), jnp.zeros((B, 0), jnp.float32)
-    q = jnp.zeros((B, 0, 0), jnp.float32)
+    d = Drafts(jnp.zeros((B, 0), jnp.int32), jnp.zeros((B, 0), jnp.float32),
+               jnp.zeros((B, 0, 0), jnp.float32), jnp.zeros((B, 0, 0), jnp.int32),
+               jnp.zeros((B, 0, 0), jnp.float32))
   state = DecodeState(
       cache=cache, length_B=plen_B.astype(jnp.int32), bonus_B=t0,
-      drafts_BxD=drafts, conf_BxD=conf, q_BxDxV=q,
+      drafts_BxD=d.ids_BxD, conf_BxD=d.conf_BxD, q_BxDxV=d.q_BxDxV,
+      cand_BxDxC=d.cand_BxDxC, cand_lp_BxDxC=d.cand_lp_BxDxC,
       out_BxO=jnp.zeros((B, out_len), jnp.int32),
       n_out_B=jnp.zeros((B,), jnp.int32), done_B=~valid_B, key=key,
       steps=jnp.zeros((), jnp.int32), accept_hist=jnp.zeros((bs + 1,), jnp.int32),

@@ -95,12 +95,15 @@ def set_drafts(target_params, cfg, drafter, state: DecodeState, hm_BxbsxH,
                old: DecodeState, sp: SamplingParams) -> DecodeState:
   """New drafts from one mask group's hidden states and the (new) bonus."""
   key = jax.random.fold_in(state.key, DRAFT_KEY_OFFSET + state.steps)
-  drafts, conf, q = draft_tokens(target_params, cfg, drafter, hm_BxbsxH,
-                                 state.bonus_B, sp, key, state.hist_BxL, state.length_B)
+  d = draft_tokens(target_params, cfg, drafter, hm_BxbsxH, state.bonus_B, sp, key,
+                   state.hist_BxL, state.length_B, top=old.cand_BxDxC.shape[2])
   live = ~old.done_B
-  return state._replace(drafts_BxD=jnp.where(live[:, None], drafts, old.drafts_BxD),
-                        conf_BxD=jnp.where(live[:, None], conf, old.conf_BxD),
-                        q_BxDxV=jnp.where(live[:, None, None], q, old.q_BxDxV))
+  keep = lambda new, was: jnp.where(live.reshape((-1,) + (1,) * (new.ndim - 1)), new, was)
+  return state._replace(drafts_BxD=keep(d.ids_BxD, old.drafts_BxD),
+                        conf_BxD=keep(d.conf_BxD, old.conf_BxD),
+                        q_BxDxV=keep(d.q_BxDxV, old.q_BxDxV),
+                        cand_BxDxC=keep(d.cand_BxDxC, old.cand_BxDxC),
+                        cand_lp_BxDxC=keep(d.cand_lp_BxDxC, old.cand_lp_BxDxC))
 
 
 def refresh_drafts(target_params, cfg, drafter, state: DecodeState, *,

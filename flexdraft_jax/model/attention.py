@@ -28,9 +28,28 @@ import jax.numpy as jnp
 NEG_INF = -1e30
 
 
+def tree_visible(visible_BxRxC, slot_C, tree, G: int):
+  """`visible` with the cache slots of a draft tree's rows narrowed to each
+  row's ancestors (`tree` = (start_B, anc_BxTxT): the T rows of the tree sit
+  in slots start .. start + T - 1, row t sees row u iff anc[t, u]); None
+  leaves `visible` as it is. Slots `slot_C` are the columns of `visible`."""
+  if tree is None:
+    return visible_BxRxC
+  start_B, anc_BxTxT = tree
+  T = anc_BxTxT.shape[1]
+  rel_BxC = slot_C[None, :] - start_B[:, None]
+  in_tree_BxC = (rel_BxC >= 0) & (rel_BxC < T)
+  # [B, T, C]: row t sees tree slot rel iff anc[t, rel]; rows r = t·G + g
+  anc_BxTxC = jnp.take_along_axis(
+      anc_BxTxT, jnp.broadcast_to(jnp.clip(rel_BxC, 0, T - 1)[:, None, :],
+                                  (anc_BxTxT.shape[0], T, rel_BxC.shape[1])), axis=2)
+  ok_BxRxC = jnp.repeat(anc_BxTxC | ~in_tree_BxC[:, None, :], G, axis=1)
+  return visible_BxRxC & ok_BxRxC
+
+
 def attend_xla(q_BxTxNxD, k_BxKxSxD, v_BxKxSxD, limit_BxT,
                xk_BxExKxD=None, xv_BxExKxD=None,
-               q_group_T=None, k_group_E=None, *, extra_block=None):
+               q_group_T=None, k_group_E=None, *, extra_block=None, tree=None):
   """Reference attention (fp32 softmax); GQA without repeating K/V.
 
   `extra_block` (static): the queries are exactly the extra keys' rows and
@@ -38,6 +57,10 @@ def attend_xla(q_BxTxNxD, k_BxKxSxD, v_BxKxSxD, limit_BxT,
   group_T = group_E = [0]*bs + [1]*bs + ...). Each row then scores only the
   extra keys of its own block, `[T, bs]` instead of `[T, T]` — the same
   result, without a score matrix that grows with the square of the rows.
+
+  `tree` = (start_B, anc_BxTxT): the queries are a draft tree's rows, whose
+  K/V sit in cache slots start .. start + T - 1; row t sees those slots of
+  its ancestors only (`tree_visible`), and every slot before `start`.
 
   Returns `[B, T, N, D]` in q's dtype. A row that sees no key returns zeros.
   """
@@ -50,7 +73,8 @@ def attend_xla(q_BxTxNxD, k_BxKxSxD, v_BxKxSxD, limit_BxT,
   limit_BxR = jnp.repeat(limit_BxT, G, axis=1)
   s_BxKxRxS = jnp.einsum("BKRD,BKSD->BKRS", q_BxKxRxD, k_BxKxSxD,
                          preferred_element_type=jnp.float32)
-  visible_BxRxS = jnp.arange(S)[None, None, :] <= limit_BxR[:, :, None]
+  visible_BxRxS = tree_visible(jnp.arange(S)[None, None, :] <= limit_BxR[:, :, None],
+                               jnp.arange(S), tree, G)
   # (scores, values, einsum of weights x values) per key source: the cache,
   # then the extra keys. The softmax runs over both without concatenating
   # them, and normalises after the value products ([R, D], not [R, S]).
@@ -95,7 +119,8 @@ def attend_xla(q_BxTxNxD, k_BxKxSxD, v_BxKxSxD, limit_BxT,
 
 def attend_xla_blocked(q_BxTxNxD, k_BxKxSxD, v_BxKxSxD, limit_BxT,
                        xk_BxExKxD=None, xv_BxExKxD=None,
-                       q_group_T=None, k_group_E=None, *, kv_block: int = 256):
+                       q_group_T=None, k_group_E=None, *, kv_block: int = 256,
+                       tree=None):
   """`attend_xla` reading only the cache blocks some row can see.
 
   A `lax.while_loop` over key blocks up to the largest limit with an online
@@ -107,7 +132,7 @@ def attend_xla_blocked(q_BxTxNxD, k_BxKxSxD, v_BxKxSxD, limit_BxT,
   G, R = N // K, T * N // K
   if S % kv_block:
     return attend_xla(q_BxTxNxD, k_BxKxSxD, v_BxKxSxD, limit_BxT,
-                      xk_BxExKxD, xv_BxExKxD, q_group_T, k_group_E)
+                      xk_BxExKxD, xv_BxExKxD, q_group_T, k_group_E, tree=tree)
   q = (q_BxTxNxD.reshape(B, T, K, G, D).transpose(0, 2, 1, 3, 4)
        .reshape(B, K, R, D) * (D ** -0.5))
   limit_BxR = jnp.repeat(limit_BxT, G, axis=1)
@@ -127,7 +152,8 @@ def attend_xla_blocked(q_BxTxNxD, k_BxKxSxD, v_BxKxSxD, limit_BxT,
     kb = jax.lax.dynamic_slice_in_dim(k_BxKxSxD, start, kv_block, axis=2)
     vb = jax.lax.dynamic_slice_in_dim(v_BxKxSxD, start, kv_block, axis=2)
     s = jnp.einsum("BKRD,BKCD->BKRC", q, kb, preferred_element_type=jnp.float32)
-    visible = (start + jnp.arange(kv_block))[None, None, :] <= limit_BxR[:, :, None]
+    slots = start + jnp.arange(kv_block)
+    visible = tree_visible(slots[None, None, :] <= limit_BxR[:, :, None], slots, tree, G)
     return update(carry, jnp.where(visible[:, None], s, NEG_INF), vb)
 
   carry = (jnp.full((B, K, R), NEG_INF, jnp.float32), jnp.zeros((B, K, R), jnp.float32),
@@ -158,15 +184,19 @@ def attend(q_BxTxNxD, k_BxKxSxD, v_BxKxSxD, limit_BxT,
            xk_BxExKxD=None, xv_BxExKxD=None,
            q_group_T: Optional[jax.Array] = None,
            k_group_E: Optional[jax.Array] = None, *, impl: str = "xla",
-           kv_block: Optional[int] = None, extra_block: Optional[int] = None):
+           kv_block: Optional[int] = None, extra_block: Optional[int] = None,
+           tree=None):
   """Attention under the position-limit + group layout (see module doc).
 
   `kv_block` (xla only): read the cache in blocks up to the largest limit
   (decoding); None reads it whole (differentiable: training).
   `extra_block` (xla, whole-cache path): the queries are the extra keys' rows
   in contiguous groups of that many rows (see `attend_xla`).
+  `tree` (start_B, anc_BxTxT): the queries are a draft tree's rows (see
+  `attend_xla`). The Pallas kernels have no tree mask: tree rows run XLA's
+  attention whatever `impl` says.
   """
-  if resolve_impl(impl) == "pallas":
+  if resolve_impl(impl) == "pallas" and tree is None:
     from flexdraft_jax.kernels import attention as pallas_attention
     return pallas_attention.attend_pallas(
         q_BxTxNxD, k_BxKxSxD, v_BxKxSxD, limit_BxT,
@@ -174,7 +204,7 @@ def attend(q_BxTxNxD, k_BxKxSxD, v_BxKxSxD, limit_BxT,
   if kv_block:
     return attend_xla_blocked(q_BxTxNxD, k_BxKxSxD, v_BxKxSxD, limit_BxT,
                               xk_BxExKxD, xv_BxExKxD, q_group_T, k_group_E,
-                              kv_block=kv_block)
+                              kv_block=kv_block, tree=tree)
   return attend_xla(q_BxTxNxD, k_BxKxSxD, v_BxKxSxD, limit_BxT,
                     xk_BxExKxD, xv_BxExKxD, q_group_T, k_group_E,
-                    extra_block=extra_block)
+                    extra_block=extra_block, tree=tree)

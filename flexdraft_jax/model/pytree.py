@@ -69,6 +69,18 @@ class MaskRows(NamedTuple):
   block: Optional[int] = None
 
 
+class TreeRows(NamedTuple):
+  """Clean rows that are a draft tree's nodes (tree verification).
+
+  slot_BxT: the cache slot each row writes its K/V to, consecutive from the
+  root's (`slot[:, 0]`, the bonus's position): node t at slot root + t, its
+  RoPE position the root's plus its depth. anc_BxTxT: bool, row t sees row u
+  iff u is t or an ancestor of t (nodes come in topological order: u <= t).
+  """
+  slot_BxT: jax.Array
+  anc_BxTxT: jax.Array
+
+
 def layer_shapes(cfg: ModelConfig) -> dict:
   """Expected per-layer shape of every stacked key for `cfg`."""
   H, F, D = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim

@@ -27,7 +27,7 @@ from flexdraft_jax.kernels import cpu_matmul
 from flexdraft_jax.model import attention
 from flexdraft_jax.model.config import ModelConfig
 from flexdraft_jax.model.pytree import (
-    KVCache, MaskRows, decode_layer, global_shapes, layer_at, layer_shapes)
+    KVCache, MaskRows, TreeRows, decode_layer, global_shapes, layer_at, layer_shapes)
 
 
 def rms_norm(x, w, eps):
@@ -145,13 +145,15 @@ def _residual(lp, ap, h_BxTxH, o_BxTxND, eps):
 
 
 def _layer_step(*, cfg, lp, dp, h_BxTxH, hm_BxMxH, ck, cv, layer, pos_BxT, masks,
-                attn_impl, kv_block, mp=None):
+                attn_impl, kv_block, mp=None, tree=None):
   """One decoder layer on clean rows (T may be 0) and mask rows (`hm_BxMxH`
   None: none). Clean rows write their K/V into the cache (stacked caches at
   index `layer`; per-layer ones when `layer` is None); mask rows read the
   cache and their own group's K/V but write nothing. `lp` are the target's
   weights, `dp` the draft projectors (mask rows only), `mp` the MLP weights
   mask rows use instead of `lp`'s (a narrower copy, see `forward`).
+  `tree` (a `pytree.TreeRows`): the clean rows are a draft tree's nodes, written
+  to `tree.slot_BxT` rather than their positions and seeing their ancestors.
   Returns (h_BxTxH, hm_BxMxH or None, ck, cv)."""
   eps = cfg.rms_norm_eps
   T = h_BxTxH.shape[1]
@@ -159,9 +161,10 @@ def _layer_step(*, cfg, lp, dp, h_BxTxH, hm_BxMxH, ck, cv, layer, pos_BxT, masks
   q_rows, limits, groups = [], [], []
   if T:
     q, k, v = _project_qkv(lp, rms_norm(h_BxTxH, lp["input_norm"], eps), pos_BxT, cfg)
-    ck, cv = _write(ck, layer, pos_BxT, k), _write(cv, layer, pos_BxT, v)
+    slot_BxT = pos_BxT if tree is None else tree.slot_BxT
+    ck, cv = _write(ck, layer, slot_BxT, k), _write(cv, layer, slot_BxT, v)
     q_rows.append(q)
-    limits.append(pos_BxT)
+    limits.append(slot_BxT)
     groups.append(jnp.full((T,), -1, jnp.int32))
   mask_k = mask_v = None
   if with_masks:
@@ -175,7 +178,8 @@ def _layer_step(*, cfg, lp, dp, h_BxTxH, hm_BxMxH, ck, cv, layer, pos_BxT, masks
       cv if layer is None else cv[layer], jnp.concatenate(limits, axis=1),
       mask_k, mask_v, jnp.concatenate(groups), masks.group_M if with_masks else None,
       impl=attn_impl, kv_block=kv_block,
-      extra_block=masks.block if with_masks and not T else None)
+      extra_block=masks.block if with_masks and not T else None,
+      tree=None if tree is None else (tree.slot_BxT[:, 0], tree.anc_BxTxT))
   o_BxRxND = o_BxRxNxD.reshape(o_BxRxNxD.shape[:2] + (-1,))
   if T:
     h_BxTxH = _residual(lp, lp, h_BxTxH, o_BxRxND[:, :T], eps)
@@ -314,7 +318,7 @@ class Transformer(nn.Module):
   def forward(self, cache: KVCache, tokens_BxT: Optional[jax.Array],
               pos_BxT: Optional[jax.Array], *, masks: Optional[MaskRows] = None,
               num_draft_layers: int = 0, attn_impl: str = "xla",
-              kv_block: Optional[int] = None):
+              kv_block: Optional[int] = None, tree: Optional[TreeRows] = None):
     """Runs clean tokens (all layers) and mask rows (deep layers) in one pass.
 
     Args:
@@ -328,6 +332,10 @@ class Transformer(nn.Module):
         bytes (`engine.narrow_draft_params`; clean rows keep the target's).
       kv_block: read the cache in blocks up to the largest visible position
         (decoding; not differentiable); None reads it whole (training).
+      tree: the clean rows are a draft tree (`pytree.TreeRows`): `pos_BxT` are
+        their RoPE positions (the bonus's plus their depth), their K/V go to
+        slots `tree.slot_BxT` (consecutive), and each row sees the cache
+        before them and its ancestors in the tree (no mask rows).
     Returns:
       (h_clean [B, T, H] or None, h_mask [B, M, H] or None, cache) — hidden
       states before the final norm; the cache holds the clean K/V written.
@@ -348,8 +356,10 @@ class Transformer(nn.Module):
       B = masks.pos_BxM.shape[0]
       h = jnp.zeros((B, 0, cfg.hidden_size), self.embedding.dtype)
       pos_BxT = jnp.zeros((B, 0), jnp.int32)
+    if tree is not None and masks is not None:
+      raise ValueError("a draft tree's rows run without mask rows")
     step = functools.partial(_layer_step, cfg=cfg, pos_BxT=pos_BxT, masks=masks,
-                             attn_impl=attn_impl, kv_block=kv_block)
+                             attn_impl=attn_impl, kv_block=kv_block, tree=tree)
     if self.layout == "layers":
       return self._layer_loop(self.layers, cache, h, s, masks, step, clean)
 
