@@ -71,6 +71,8 @@ FLAGS = (  # (absl DEFINE_*, name as generate() spells it, default, help[, enum 
     ("integer", "block_size", None, "decode with a smaller block than trained"),
     ("integer", "verify_len", None,
      "verify at most K-1 drafts per step (K <= block size; flex picks K itself up to this)"),
+    ("integer", "tree_budget", None,
+     "sequential (and flex's) steps verify a draft tree of N nodes (unset: a chain)"),
     ("enum", "draft_dtype", "auto", "the draft pass's matmul weights (auto: bfloat16 where "
      "the CPU kernel runs; outputs are the target's either way)",
      options.DRAFT_DTYPES),
@@ -113,7 +115,7 @@ class _Args:
 # The flags that fill generate()'s option groups, named as their fields.
 OPTION_FLAGS = ("temperature", "top_k", "top_p", "draft_sampling", "block_size",
                 "verify_len", "threshold", "strategy", "flex_threshold", "draft_dtype",
-                "cost_cache", "batch_size", "max_len", "attn_impl")
+                "cost_cache", "batch_size", "max_len", "attn_impl", "tree_budget")
 
 
 def _options(args) -> dict:
@@ -129,7 +131,8 @@ def _options(args) -> dict:
           threshold=args.threshold, strategy=args.strategy,
           flex_threshold=options.parse_flex_threshold(args.flex_threshold,
                                                       "--flex-threshold"),
-          draft_dtype=args.draft_dtype, cost_cache=args.cost_cache),
+          draft_dtype=args.draft_dtype, cost_cache=args.cost_cache,
+          tree_budget=args.tree_budget),
       runtime=options.RuntimeOptions(batch_size=args.batch_size, max_len=args.max_len,
                                      attn_impl=args.attn_impl))
 

@@ -32,6 +32,9 @@ flags.DEFINE_list("batch_sizes", ["1", "2", "4", "8", "16"], "batch sizes")
 flags.DEFINE_list("fixed", ["parallel:2", "parallel:4", "parallel:8", "sequential:2",
                             "sequential:4", "sequential:8"],
                   "fixed MODE:K[:DRAFT_DTYPE] settings timed next to AR and flex")
+flags.DEFINE_list("flex_trees", [], "draft-tree budgets N: a flex setting with "
+                  "speculation.tree_budget=N each (\"flex+tree:N\"); --fixed takes "
+                  "tree:N for sequential steps verifying trees of N nodes")
 flags.DEFINE_integer("max_new_tokens", 64, "new tokens per row (stops off)", lower_bound=1)
 flags.DEFINE_integer("repeats", 3, "timed rounds per batch size", lower_bound=1)
 flags.DEFINE_integer("batches", 1, "batches per batch size B: the first batches·B "
@@ -56,7 +59,8 @@ def main(argv):
     print(f"NOTE: {note}", flush=True)
   sizes = [int(b) for b in FLAGS.batch_sizes]
   settings, dropped = modes_bench.fit_settings(
-      modes_bench.default_settings(modes_bench.parse_fixed(FLAGS.fixed)),
+      modes_bench.default_settings(modes_bench.parse_fixed(FLAGS.fixed),
+                                   flex_trees=[int(n) for n in FLAGS.flex_trees]),
       drafter.config.block_size)
   if dropped:
     print(f"NOTE: {', '.join(dropped)} left out: k beyond the drafter's block size "

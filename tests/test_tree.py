@@ -173,7 +173,7 @@ def test_tree_budget_bad_inputs(target):
   drafter = random_drafter(target, block_size=4)
   with pytest.raises(fd.FlexDraftError, match="tree_budget must be an integer >= 2"):
     fd.SpecOptions(tree_budget=1)
-  with pytest.raises(fd.FlexDraftError, match="runs in mode 'sequential'"):
+  with pytest.raises(fd.FlexDraftError, match="runs in mode 'sequential' or 'flex'"):
     fd.generate(target, [[3, 4]], drafter=drafter, mode="parallel",
                 speculation=fd.SpecOptions(tree_budget=8))
   with pytest.raises(fd.FlexDraftError, match="exceeds the 97 nodes"):
@@ -183,3 +183,67 @@ def test_tree_budget_bad_inputs(target):
     fd.generate(target, [[3, 4]], drafter=drafter, mode="sequential",
                 sampling=fd.SamplingParams(temperature=1.0, draft_sampling=True),
                 speculation=fd.SpecOptions(tree_budget=8))
+
+
+@pytest.fixture
+def cost_cache(tmp_path, monkeypatch):
+  from flexdraft_jax.decoding import step_costs
+  path = str(tmp_path / "step_costs.json")
+  monkeypatch.setenv("FLEXDRAFT_COST_CACHE", path)
+  monkeypatch.setattr(step_costs, "_COSTS_IN_MEMORY", {})
+  return path
+
+
+@pytest.mark.parametrize("cheapest", ["tree", "sequential", "ar"])
+def test_flex_weighs_draft_trees(target, cost_cache, monkeypatch, cheapest):
+  """With `tree_budget`, flex weighs trees of each budget (8, 16, …, N) beside
+  AR and the chains, and runs the one its measured costs favour: trees run as
+  sequential steps verifying a tree, losslessly."""
+  from flexdraft_jax.decoding import chunk, flex
+  def measure(self, state, B, S, again=False):
+    cost = lambda m: 1.0 if m == cheapest else 100.0
+    out = {"ar": cost("ar"),
+           **{m: {str(k): cost(m) for k in self.buckets} for m in ("sequential", "parallel")}}
+    out["tree"] = {str(n): cost("tree") for n in self.tree_budgets}
+    return out
+  monkeypatch.setattr(flex.FlexPolicy, "measure", measure)
+  prompts = prompts_for(3, seed=4)
+  drafter = ngram_drafter(target, block_size=4, weight=1.0)
+  ref = fd.generate(target, prompts, max_new_tokens=40)
+  budgets = []
+  real = chunk.run_chunk
+  monkeypatch.setattr(chunk, "run_chunk",
+                      lambda *a, **kw: budgets.append(kw["tree_budget"]) or real(*a, **kw))
+  out = fd.generate(target, prompts, max_new_tokens=40, drafter=drafter, mode="flex",
+                    speculation=fd.SpecOptions(tree_budget=16))
+  assert_lossless(target, prompts, ref.token_ids, out.token_ids)
+  assert {m for m, _ in out.stats["mode_steps"]} == {cheapest}
+  rates = out.stats["flex_choices"]["3"]["tokens_per_s"]
+  assert {"tree:8", "tree:16", "sequential:4", "ar"} <= set(rates)
+  if cheapest == "tree":  # one cost for all: the larger tree first (more τ predicted)
+    assert budgets[0] == 16 and set(budgets) <= {8, 16}
+  else:
+    assert set(budgets) == {0}
+
+
+def test_flex_tree_tau_fits_what_trees_accepted(target):
+  """A tree's predicted τ starts from the chain's scaled by the draft mass the
+  tree adds, and moves to what its own steps accepted."""
+  from flexdraft_jax.decoding import flex
+  drafter = ngram_drafter(target, block_size=4, weight=1.0)
+  st = _prefilled(target, drafter, [5, 9, 12, 7], 32)
+  mass = np.full((1, 15), 0.05)
+  policy = flex.FlexPolicy(target, drafter,
+                           fd.SpecOptions(tree_budget=16), (2, 3, 4), None,
+                           tree_mass=lambda state, n: mass[:, :n - 1])
+  assert policy.tree_budgets == (8, 16)
+  chain_mass = float(np.cumprod(np.asarray(st.conf_BxD, np.float64), axis=1).sum())
+  tau = policy.tau_by_tree(st, 2.0)
+  assert tau[8] == pytest.approx(1.0 + 7 * 0.05 / chain_mass, rel=1e-6)
+  assert tau[16] > tau[8]
+  # tree:16 steps that each accepted 3 drafts (4 tokens): τ moves towards 4
+  for _ in range(6):
+    policy.observe(np.array([0, 0, 0, 0, 5]), "tree", 16, B=1)
+  later = policy.tau_by_tree(st, 2.0)
+  assert later[16] > tau[16] and later[16] < 4.0
+  assert later[8] > tau[8]   # the fit carries to the budget that has not run

@@ -90,6 +90,13 @@ def run_chunk(target_params, draft_params, state: DecodeState, *, cfg, dcfg, mod
   return jax.lax.while_loop(cond, body, (jnp.int32(0), state))[1]
 
 
+@functools.partial(jax.jit, static_argnames=("cfg", "dcfg", "budget"))
+def tree_mass(target_params, draft_params, state: DecodeState, *, cfg, dcfg, budget):
+  """Each row's draft tree of `budget` nodes: its nodes' path probabilities
+  under the draft, best first `[B, budget - 1]` (`tree.path_probs`)."""
+  return tree.path_probs(cfg, Drafter(dcfg, draft_params), state, budget)
+
+
 @functools.partial(jax.jit, static_argnames=("strategy",))
 def needed_groups(state: DecodeState, *, theta, strategy):
   """(the verify length selective verification asks for, live rows)."""

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from flexdraft_jax.decoding import chunk, flex, timing
-from flexdraft_jax.decoding.options import Mode
+from flexdraft_jax.decoding.options import TREE, Mode
 from flexdraft_jax.util import round_up
 
 # Once at most half the rows of a batch of at least COMPACT_MIN are live, the
@@ -36,7 +36,8 @@ class Driver:
     self.k_max, self.buckets = (chunk.verify_buckets(self.bs, opts) if drafter
                                 else (1, ()))
     self.policy = (flex.FlexPolicy(target, drafter, opts, self.buckets, self._time,
-                                   parallel_drafter=parallel_drafter)
+                                   parallel_drafter=parallel_drafter,
+                                   tree_mass=self._tree_mass)
                    if mode == Mode.FLEX else None)
     self.group_counts, self.modes = [], []
     self.stale_drafts = False
@@ -63,12 +64,21 @@ class Driver:
     drafter = (self.parallel_drafter if mode == Mode.PARALLEL and self.parallel_drafter
                else self.drafter)
     static = self.static if drafter is None else dict(self.static, dcfg=drafter.config)
-    tree_budget = (self.opts.tree_budget or 0) if mode == Mode.SEQUENTIAL else 0
+    tree_budget = 0
+    if mode == TREE:  # sequential steps verifying a draft tree of k nodes
+      mode, tree_budget = Mode.SEQUENTIAL, k
     return chunk.run_chunk(
         self.target.params, None if drafter is None else drafter.params, state,
         mode=mode, num_groups=k, n_steps=jnp.int32(n_steps),
         theta=jnp.float32(self.opts.threshold), strategy=self.opts.strategy,
         refresh=refresh, tree_budget=tree_budget, **static, **self.traced)
+
+  def _tree_mass(self, state, budget: int):
+    """`[B, budget - 1]`: the draft probability of each node's path in the
+    draft tree of `budget` nodes, best first (flex's prior for trees)."""
+    return np.asarray(chunk.tree_mass(self.target.params, self.drafter.params, state,
+                                      cfg=self.static["cfg"], dcfg=self.drafter.config,
+                                      budget=budget))
 
   def _bucket(self, needed: int) -> int:
     return next((g for g in self.buckets if g >= needed), self.buckets[-1])
@@ -125,6 +135,8 @@ class Driver:
     asks for (k_max at θ = 0)."""
     k = self._bucket(min(groups, self.k_max)) if self.opts.threshold > 0 else self.k_max
     if self.policy is None:
+      if self.mode == Mode.SEQUENTIAL and self.opts.tree_budget:
+        return TREE, self.opts.tree_budget
       return self.mode, k
     return self.policy.choose(state, live, k, self.B, self.S)
 
@@ -173,7 +185,7 @@ class Driver:
     best of `reps` loops (a shared CPU only ever adds time; flex's `measure`
     calls this round-robin over the variants and keeps the best)."""
     probe = jax.tree.map(lambda x: x.copy(), state)
-    if mode != Mode.AR and self.opts.threshold > 0:
+    if mode not in (Mode.AR, TREE) and self.opts.threshold > 0:
       n = 1
 
     def run(st, n_steps):  # every row live, nothing emitted yet: full steps of work

@@ -187,9 +187,9 @@ def _tree_top(drafter: Optional[Drafter], mode: Mode, so: SpecOptions,
   re-scores. Checks the budget against what the drafter can fill."""
   if so.tree_budget is None or drafter is None:
     return 0
-  if mode != Mode.SEQUENTIAL:
-    raise FlexDraftError(f"{python_name('tree_budget')} runs in mode 'sequential' "
-                         f"(draft trees verify, then draft), not {str(mode)!r}")
+  if mode not in (Mode.SEQUENTIAL, Mode.FLEX):
+    raise FlexDraftError(f"{python_name('tree_budget')} runs in mode 'sequential' or "
+                         f"'flex' (draft trees verify, then draft), not {str(mode)!r}")
   if sp.draft_sampling and not sp.greedy:
     raise FlexDraftError(f"{python_name('tree_budget')} verifies the likeliest drafts "
                          f"(each node a point-mass draft): turn "

@@ -49,7 +49,7 @@ import jax
 import numpy as np
 
 from flexdraft_jax.decoding import step_costs
-from flexdraft_jax.decoding.options import Mode
+from flexdraft_jax.decoding.options import TREE, Mode
 from flexdraft_jax.drafter.model import narrowed_dtype
 from flexdraft_jax.kernels import cpu_matmul
 
@@ -106,6 +106,18 @@ RETIME_STEPS = 2 * MIN_TIMED
 # this factor; beyond it the slowdown is the mode's own (cost_scale).
 MACHINE_DRIFT = 1.5
 
+def tree_budgets(budget) -> tuple:
+  """The draft-tree budgets flex weighs under `SpecOptions.tree_budget` N: the
+  powers of two from 8 below N, and N (() without a budget)."""
+  if not budget:
+    return ()
+  out, b = [], 8
+  while b < budget:
+    out.append(b)
+    b *= 2
+  return tuple(out) + (budget,)
+
+
 def chunk_record(steps: int, predicted: float, tokens: int, seconds: float) -> dict:
   """What flex predicted for the `steps` decoding steps of one (mode, k) (tokens/s,
   weighed by steps) against what they measured (`tokens` in `seconds`)."""
@@ -136,8 +148,16 @@ class FlexPolicy:
   `state` and returns its seconds (the driver owns the jitted chunk).
   """
 
-  def __init__(self, target, drafter, opts, buckets, time_step, parallel_drafter=None):
+  def __init__(self, target, drafter, opts, buckets, time_step, parallel_drafter=None,
+               tree_mass=None):
     self.target, self.drafter, self.opts = target, drafter, opts
+    # Draft trees (`tree_budget`): sequential steps verifying a tree of N nodes
+    # compete as (TREE, N); `tree_mass(state, N)` gives their nodes' draft
+    # probabilities (the prior of their τ, `tau_by_tree`).
+    self.tree_mass = tree_mass
+    self.tree_budgets = tree_budgets(getattr(opts, "tree_budget", None)) if tree_mass else ()
+    # Per budget, decayed over its chunks: [row-steps, tokens] of tree steps.
+    self.tree_seen = {n: np.zeros(2) for n in self.tree_budgets}
     self.parallel_drafter = parallel_drafter
     self.buckets, self.time_step = buckets, time_step
     # Parallel mode drafts in the verify forward, before the bonus is known:
@@ -146,6 +166,9 @@ class FlexPolicy:
     self.modes = ((Mode.SEQUENTIAL, Mode.PARALLEL)
                   if drafter.config.drafts_blind or parallel_drafter is not None
                   else (Mode.SEQUENTIAL,))
+    # Every speculative kind of step, with its lengths k (trees: budgets).
+    self.families = tuple((m, self.buckets) for m in self.modes) + (
+        ((TREE, self.tree_budgets),) if self.tree_budgets else ())
     bs = drafter.config.block_size
     self.costs = None              # step costs at the current batch shape
     self.cost_path = step_costs.cost_cache_path(getattr(opts, "cost_cache", "default"))
@@ -195,6 +218,10 @@ class FlexPolicy:
     if mode == Mode.AR:  # τ comes from speculative steps only
       self.ar_hist = self.ar_hist + delta_hist
       self.ar_since_probe += steps
+    elif mode == TREE:  # a tree's τ is its own (tau_by_tree)
+      seen = self.tree_seen[k]
+      seen *= ACCEPT_DECAY
+      seen += (delta_hist.sum(), (np.arange(len(delta_hist)) * delta_hist).sum())
     else:
       # Older chunks weigh ACCEPT_DECAY less in the slots this one verified;
       # the slots beyond its k keep what longer steps measured there.
@@ -263,7 +290,7 @@ class FlexPolicy:
     (over RETIME_STEPS steps) and B was not timed again yet (see RETIME)."""
     if B in self.retimed:
       return False
-    for mode in (Mode.AR,) + self.modes:
+    for mode in (Mode.AR,) + tuple(m for m, _ in self.families):
       r = self._realized_ratio(B, lambda m, kk: m == mode, RETIME_STEPS)
       if r is not None and not 1.0 / RETIME <= r <= RETIME:
         return True
@@ -400,7 +427,7 @@ class FlexPolicy:
                                   for (m, kk), r in self.realized.get(B, {}).items()
                                   if r[1] > 0},
         "cost_scale": {**{str(m): round(self.cost_scale(B, m), 3)
-                          for m in (Mode.AR,) + self.modes},
+                          for m in (Mode.AR,) + tuple(m for m, _ in self.families)},
                        **{name(m, kk): round(self.cost_scale(B, m, kk), 3)
                           for m, kk in self.realized.get(B, {}) if m != Mode.AR}},
         "probe": self.probing,
@@ -431,12 +458,42 @@ class FlexPolicy:
     """{(mode, k): predicted tokens per second per row} for AR and every bucket:
     τ(k) over the step cost, corrected by what the chunks at B rows took."""
     tau = self.tau_by_length(state)
+    taus = {m: tau for m in self.modes}
+    if self.tree_budgets:
+      taus[TREE] = self.tau_by_tree(state, tau[self.buckets[-1]])
     rates = {(Mode.AR, 0): 1.0 / (self.costs["ar"] * self.cost_scale(B, Mode.AR))}
-    for mode in self.modes:
-      for k in self.buckets:
-        rates[(mode, k)] = self.row_tau(state, tau[k]) / (self.costs[mode][str(k)]
-                                                          * self.cost_scale(B, mode, k))
+    for mode, ks in self.families:
+      for k in ks:
+        rates[(mode, k)] = self.row_tau(state, taus[mode][k]) / (
+            self.costs[mode][str(k)] * self.cost_scale(B, mode, k))
     return rates
+
+  def tau_by_tree(self, state, tau_chain: float) -> dict:
+    """{N: predicted τ of a draft tree of N nodes}: its own tree steps' tokens
+    per row-step, plus PRIOR_WEIGHT pseudo-steps of a prior — the chain's τ(k)
+    scaled by how much more draft probability the tree's paths hold than the
+    chain's (Σ of the nodes' path probabilities against Σ_i Π_{j≤i} conf_j),
+    corrected by how the budgets that ran measured against that prior."""
+    live = ~np.asarray(state.done_B)
+    mass = self.tree_mass(state, self.tree_budgets[-1])
+    mass = mass[live] if live.any() else mass
+    chain = np.cumprod(np.asarray(state.conf_BxD, np.float64), axis=1)
+    chain = (chain[live] if live.any() else chain).sum(1).mean()
+    gain = np.cumsum(mass.mean(0))               # budget n: gain[n - 2]
+    prior = {n: 1.0 + (tau_chain - 1.0) * gain[n - 2] / max(chain, 1e-9)
+             for n in self.tree_budgets}
+    steps = sum(self.tree_seen[n][0] for n in self.tree_budgets)
+    fit = 1.0
+    if steps >= PRIOR_WEIGHT:  # measured gain over the prior's, where trees ran
+      got = sum(self.tree_seen[n][1] - self.tree_seen[n][0] for n in self.tree_budgets)
+      want = sum(self.tree_seen[n][0] * (prior[n] - 1.0) for n in self.tree_budgets)
+      fit = float(np.clip(got / max(want, 1e-9), 0.25, 4.0))
+    out = {}
+    for n in self.tree_budgets:
+      rows, tokens = self.tree_seen[n]
+      p = 1.0 + fit * (prior[n] - 1.0)
+      out[n] = float((tokens + PRIOR_WEIGHT * p) / (rows + PRIOR_WEIGHT))
+    return out
 
   def tau_by_length(self, state) -> dict:
     """{k: predicted τ(k)} from the per-slot acceptance rates (module doc):
@@ -473,6 +530,7 @@ class FlexPolicy:
         len(jax.devices()), jax.__version__, B, S, d.block_size, d.num_layers, d.draft_vocab,
         self.opts.threshold > 0, self.buckets, tuple(map(str, self.modes)),
         "cpu_matmul" if cpu_matmul.available() else "dot",
+        f"trees{self.tree_budgets}" if self.tree_budgets else "no_trees",
         narrowed_dtype(self.drafter.params) or "draft_dtype=target",
         f"rescore{d.rescore_top}" if d.rescores else "no_rescore",
         *self._parallel_key())))
@@ -495,8 +553,8 @@ class FlexPolicy:
     if key in table and not again:
       return table[key]
     start = time.time()
-    ends = sorted({self.buckets[0], self.buckets[-1]})
-    plan = [(Mode.AR, 0)] + [(m, k) for m in self.modes for k in ends]
+    ends = {m: sorted({ks[0], ks[-1]}) for m, ks in self.families}
+    plan = [(Mode.AR, 0)] + [(m, k) for m, _ in self.families for k in ends[m]]
     where = self.cost_path or "memory only"
     what = ("again: decoding ran off the timed costs" if again else "once")
     print(f"flex: timing {len(plan)} step variants at batch {B} {what} (kept in "
@@ -509,11 +567,11 @@ class FlexPolicy:
                          disable=not sys.stderr.isatty()):
       for mode, k in plan:
         timed[(mode, k)] = min(timed[(mode, k)], self.time_step(state, mode, k))
-    costs = {"ar": timed[(Mode.AR, 0)], "measured_k": ends}
-    for mode in self.modes:
-      xs = np.array(ends, float)
-      ys = np.array([timed[(mode, k)] for k in ends])
-      costs[mode] = {str(k): float(np.interp(k, xs, ys)) for k in self.buckets}
+    costs = {"ar": timed[(Mode.AR, 0)], "measured_k": ends[self.modes[0]]}
+    for mode, ks in self.families:
+      xs = np.array(ends[mode], float)
+      ys = np.array([timed[(mode, k)] for k in ends[mode]])
+      costs[mode] = {str(k): float(np.interp(k, xs, ys)) for k in ks}
     table[key] = costs
     step_costs.write_costs(self.cost_path, table)
     self.timing_spans.append((start, time.time()))  # not decoding: left out of its time

@@ -34,6 +34,10 @@ class Mode(str, enum.Enum):
 
 
 MODES = tuple(m.value for m in Mode)
+# What the driver and flex call sequential steps that verify a draft tree
+# (`SpecOptions.tree_budget`), their k the tree's node budget: not a mode one
+# asks for (that is "sequential" with a budget), one flex may choose.
+TREE = "tree"
 ATTN_IMPLS = ("xla", "pallas", "auto")
 # The draft pass's matmul weights: "bfloat16" (half the bytes; drafts may
 # differ slightly, outputs do not), "target" (the target's dtype, as loaded),
@@ -208,7 +212,7 @@ def ignored_options(*, mode="ar", sampling=SamplingParams(), speculation=SpecOpt
   would otherwise be ignored silently). `spell` names an option (CLI flags)."""
   sp, so, out = sampling, speculation, []
   if mode == Mode.AR:
-    for name in ("block_size", "verify_len", "threshold"):
+    for name in ("block_size", "verify_len", "threshold", "tree_budget"):
       if getattr(so, name):
         out.append(f"{spell(name)}={getattr(so, name)} has no effect in mode 'ar' "
                    "(no drafts)")
@@ -217,6 +221,12 @@ def ignored_options(*, mode="ar", sampling=SamplingParams(), speculation=SpecOpt
     if so.draft_dtype != "auto":
       out.append(f"{spell('draft_dtype')}={so.draft_dtype} has no effect in mode 'ar' "
                  "(no drafts)")
+  if so.tree_budget and mode == Mode.SEQUENTIAL:
+    for name in ("verify_len", "threshold"):  # every step verifies the whole tree
+      if getattr(so, name):
+        out.append(f"{spell(name)}={getattr(so, name)} has no effect with "
+                   f"{spell('tree_budget')} in mode 'sequential' (each step verifies "
+                   "the whole tree)")
   if parallel_drafter is not None and mode not in (Mode.PARALLEL, Mode.FLEX):
     out.append(f"mode {str(mode)!r} does not use the parallel drafter "
                f"({spell('parallel_drafter')}): only 'parallel' and 'flex' do")

@@ -72,11 +72,12 @@ def _children(cfg, drafter, state: DecodeState, j: int, prev2_BxW, prev_BxW):
   return lp + bias - norm[..., None]
 
 
-def build_tree(cfg, drafter, state: DecodeState, budget: int):
+def build_tree(cfg, drafter, state: DecodeState, budget: int, with_scores: bool = False):
   """The draft tree of each row: `budget` nodes, node 0 the bonus (the root).
 
   Returns (tokens_BxN, parent_BxN, depth_BxN): token ids, each node's parent
-  (-1 for the root; parents come before their children) and depth (root 0).
+  (-1 for the root; parents come before their children) and depth (root 0);
+  `with_scores`: also the non-root nodes' scores, best first `[B, N - 1]`.
   """
   B, D, C = state.cand_BxDxC.shape
   n = W = budget - 1                   # nodes besides the root; kept per level
@@ -102,7 +103,7 @@ def build_tree(cfg, drafter, state: DecodeState, budget: int):
     levels.append((best, to_ids(cand), parent))
   # The n best of all levels' nodes, in order of depth (a topological order).
   score_BxL = jnp.concatenate([lv[0] for lv in levels], axis=1)      # L = D * W
-  _, chosen = jax.lax.top_k(score_BxL, n)
+  best_scores, chosen = jax.lax.top_k(score_BxL, n)
   chosen = jnp.sort(chosen, axis=1)                                  # by level, then rank
   depth = (chosen // W + 1).astype(jnp.int32)
   # Node index (1..n) of each level entry, -1 where not chosen; a chosen
@@ -122,7 +123,17 @@ def build_tree(cfg, drafter, state: DecodeState, budget: int):
   parent = jnp.maximum(parent, 0)
   root = lambda x, v: jnp.concatenate([jnp.full((B, 1), v, x.dtype), x], axis=1)
   tokens = jnp.concatenate([state.bonus_B[:, None], tok], axis=1)
+  if with_scores:
+    return tokens, root(parent, -1), root(depth, 0), best_scores
   return tokens, root(parent, -1), root(depth, 0)
+
+
+def path_probs(cfg, drafter, state: DecodeState, budget: int):
+  """`[B, budget - 1]`: the draft probability of each non-root node's path,
+  best first. The first n - 1 are the tree of n nodes' (every cut of the best
+  paths is closed under prefixes), and their sum is the tokens a step of it
+  would accept beyond the bonus if the draft were calibrated."""
+  return jnp.exp(build_tree(cfg, drafter, state, budget, with_scores=True)[3])
 
 
 def ancestors(parent_BxN, max_depth: int):

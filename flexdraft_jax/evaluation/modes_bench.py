@@ -32,7 +32,7 @@ import statistics
 import time
 from typing import Callable, Optional, Sequence
 
-from flexdraft_jax.decoding.options import Mode, RuntimeOptions, SpecOptions
+from flexdraft_jax.decoding.options import TREE, Mode, RuntimeOptions, SpecOptions
 from flexdraft_jax.evaluation import benchmarks
 from flexdraft_jax.evaluation.cells import check_lossless
 from flexdraft_jax.model.config import FlexDraftError
@@ -48,6 +48,7 @@ class Setting:
   verify_len: Optional[int] = None   # k; None: the drafter's block (flex: up to it)
   draft_dtype: str = "auto"
   threshold: float = 0.0             # selective verification θ (flex, parallel)
+  tree_budget: Optional[int] = None  # draft trees of this many nodes (sequential, flex)
 
   @property
   def fixed(self) -> bool:
@@ -59,17 +60,31 @@ class Setting:
       return dict(mode=Mode.AR, speculation=SpecOptions(cost_cache=cost_cache))
     return dict(mode=self.mode, drafter=drafter, speculation=SpecOptions(
         verify_len=self.verify_len, threshold=self.threshold,
-        draft_dtype=self.draft_dtype, cost_cache=cost_cache))
+        draft_dtype=self.draft_dtype, cost_cache=cost_cache, tree_budget=self.tree_budget))
+
+  @property
+  def key(self) -> Optional[str]:
+    """The name flex gives this fixed setting's steps ("sequential:8", "tree:32")."""
+    if self.tree_budget and self.mode == Mode.SEQUENTIAL:
+      return f"{TREE}:{self.tree_budget}"
+    return f"{self.mode}:{self.verify_len}" if self.fixed else None
 
 
 def parse_fixed(specs: Sequence[str], draft_dtype: str = "auto") -> list:
-  """Settings from "MODE:K[:DRAFT_DTYPE]" strings (MODE parallel or sequential)."""
+  """Settings from "MODE:K[:DRAFT_DTYPE]" strings (MODE parallel or sequential),
+  and "tree:N[:DRAFT_DTYPE]": sequential steps verifying draft trees of N nodes."""
   out = []
   for spec in specs:
     parts = spec.strip().split(":")
+    if parts[0] == TREE and len(parts) in (2, 3) and parts[1].isdigit() and int(parts[1]) >= 2:
+      out.append(Setting(spec.strip(), Mode.SEQUENTIAL.value, None,
+                         parts[2] if len(parts) == 3 else draft_dtype,
+                         tree_budget=int(parts[1])))
+      continue
     if len(parts) not in (2, 3) or parts[0] not in FIXED_MODES or not parts[1].isdigit():
       raise FlexDraftError(f"fixed setting {spec!r}: expected MODE:K[:DRAFT_DTYPE] with "
-                           f"MODE one of {FIXED_MODES} and K an integer ≥ 2")
+                           f"MODE one of {FIXED_MODES} and K an integer ≥ 2, or "
+                           f"tree:N with N an integer ≥ 2")
     if int(parts[1]) < 2:
       raise FlexDraftError(f"fixed setting {spec!r}: k must be at least 2 (one draft)")
     out.append(Setting(spec.strip(), parts[0], int(parts[1]),
@@ -78,10 +93,13 @@ def parse_fixed(specs: Sequence[str], draft_dtype: str = "auto") -> list:
 
 
 def default_settings(fixed: Sequence[Setting], flex_dtypes: Sequence[str] = ("auto",),
-                     threshold: float = 0.0) -> list:
-  """AR, flex (one per draft dtype: "flex", then "flex:DTYPE"), then `fixed`."""
+                     threshold: float = 0.0, flex_trees: Sequence[int] = ()) -> list:
+  """AR, flex (one per draft dtype: "flex", then "flex:DTYPE"; then one with
+  draft trees per budget in `flex_trees`: "flex+tree:N"), then `fixed`."""
   flexes = [Setting("flex" if i == 0 else f"flex:{d}", Mode.FLEX, None, d, threshold)
             for i, d in enumerate(flex_dtypes)]
+  flexes += [Setting(f"flex+{TREE}:{n}", Mode.FLEX, None, flex_dtypes[0], threshold,
+                     tree_budget=n) for n in flex_trees]
   return [Setting("ar", Mode.AR)] + flexes + list(fixed)
 
 
@@ -194,8 +212,11 @@ def bench_batch(target, drafter, ids: list, batch_size: int, settings: Sequence[
   best = max(fixed, key=lambda n: row["settings"][n]["median"]) if fixed else None
   row["best_fixed"] = best
   flex = next((s.name for s in settings if s.mode == Mode.FLEX), None)
+  # every flex setting's view (flex with draft trees too), the first's as "flex"
+  row["flex_views"] = {s.name: flex_view(last[s.name].stats, batch_size, row["settings"])
+                       for s in settings if s.mode == Mode.FLEX}
   if flex is not None:
-    row["flex"] = flex_view(last[flex].stats, batch_size, row["settings"])
+    row["flex"] = row["flex_views"][flex]
     if best is not None:
       row["flex_over_best_fixed"] = (row["settings"][flex]["median"]
                                      / row["settings"][best]["median"])
@@ -210,7 +231,8 @@ def _setting_row(target, s: Setting, timed: dict, stats: dict, outputs: list,
                  reference: list, ids: list, tol: float) -> dict:
   """A setting's timings, τ and lossless check (every call's output against AR's)."""
   decode, e2e = timed["decode"], timed["e2e"]
-  out = {"mode": s.mode, "verify_len": s.verify_len, "draft_dtype": stats.get("draft_dtype"),
+  out = {"mode": s.mode, "verify_len": s.verify_len, "tree_budget": s.tree_budget,
+         "key": s.key, "draft_dtype": stats.get("draft_dtype"),
          "tokens_per_second": decode, "median": statistics.median(decode),
          "best": max(decode), "e2e_tokens_per_second": e2e,
          "e2e_median": statistics.median(e2e), "e2e_best": max(e2e),
@@ -247,8 +269,7 @@ def flex_view(stats: dict, batch_size: int, measured: dict) -> dict:
   pred, run = choice.get("tokens_per_s", {}), choice.get("run_predicted_over_ar", {})
   compare = {}
   for name, x in measured.items():
-    key = "ar" if x["mode"] == Mode.AR else (
-        f"{x['mode']}:{x['verify_len']}" if x["mode"] in FIXED_MODES else None)
+    key = "ar" if x["mode"] == Mode.AR else x.get("key")
     if key is None:
       continue
     p = pred.get(key)
@@ -327,17 +348,18 @@ def markdown(result: dict) -> str:
       per = ", ".join(f"{m} {t:.2f}" for m, t in s[flex]["mode_tau"].items())
       cells.append(f"{s[flex]['tau']:.2f}" + (f" ({per})" if per else ""))
     out.append(_md_row(cells))
-  if flex:
+  flexes = [s["name"] for s in result["settings"] if s["mode"] == Mode.FLEX]
+  for flex in flexes:
+    views = [r.get("flex_views", {flex: r.get("flex")}).get(flex) for r in rows]
     compared = [n for n in names if n not in ("ar", flex) and n in (
-        rows[0]["flex"]["cost_model_vs_measured"] if rows else {})]
-    out += ["", "Flex's cost model against measurement: its steps per (mode:k); the "
+        views[0]["cost_model_vs_measured"] if rows and views[0] else {})]
+    out += ["", f"{flex}: its cost model against measurement: its steps per (mode:k); the "
             "tokens/s it predicted for its own chunks / what they measured (chunks that "
             "compiled left out); and per setting the × AR it predicted over its run (each "
             "prediction weighed by the steps decoded on it) / the × AR measured.", ""]
     head = ["batch", "flex steps", "its chunks: predicted / measured tok/s"] + compared
     out += [_md_row(head), _md_row(["---"] * len(head))]
-    for r in rows:
-      fv = r["flex"]
+    for r, fv in zip(rows, views):
       steps = ", ".join(f"{_label(m, k)}×{n}" for m, k, n in fv["mode_k_steps"])
       own = ", ".join(f"{n} {c['predicted_tokens_per_s']:.1f} / "
                       f"{c['measured_tokens_per_s']:.1f}"
