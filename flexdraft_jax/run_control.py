@@ -8,7 +8,9 @@ kills a job.
   a process that is gone is taken over with a line saying so.
 - `stop_on_signals()`: SIGINT and SIGTERM raise `Stopped` (a
   KeyboardInterrupt) in the main thread; `critical()` holds a signal back
-  until a write that must not be cut in half (a shard, a results file) is done.
+  until a write that must not be cut in half (a shard, a results file) is done;
+  `held()` holds one back for the caller to act on at a point of its choosing
+  (training finishes its step and saves it first).
 """
 
 from __future__ import annotations
@@ -112,6 +114,26 @@ def critical():
         _pending.clear()
         _restore()
         raise Stopped(signum)
+
+
+@contextlib.contextmanager
+def held():
+  """Holds SIGINT / SIGTERM back for the block like `critical()`, but leaves
+  one that came pending when the block ends: the caller asks `pending()` at
+  the points where it can stop, and raises `Stopped` itself."""
+  main = threading.current_thread() is threading.main_thread()
+  if main:
+    _depth[0] += 1
+  try:
+    yield
+  finally:
+    if main:
+      _depth[0] -= 1
+
+
+def pending():
+  """The signal held back since (SIGINT or SIGTERM), or None."""
+  return _pending[0] if _pending else None
 
 
 def resume_command(argv) -> str:
