@@ -514,8 +514,7 @@ class FlexPolicy:
       xs = np.array(ends, float)
       ys = np.array([timed[(mode, k)] for k in ends])
       costs[mode] = {str(k): float(np.interp(k, xs, ys)) for k in self.buckets}
-    table[key] = costs
-    step_costs.write_costs(self.cost_path, table)
+    step_costs.write_costs(self.cost_path, {key: costs})  # merged into the file
     self.timing_spans.append((start, time.time()))  # not decoding: left out of its time
     return costs
 
