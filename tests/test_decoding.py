@@ -916,7 +916,8 @@ def test_two_writers_of_one_cost_cache_merge_and_keep_its_mode(tmp_path, monkeyp
   code = ("import sys; from flexdraft_jax.decoding import step_costs as s\n"
           "for i in range(40):\n"
           "  s.write_costs(sys.argv[1], {f'{sys.argv[2]}{i}': {'ar': float(i)}})")
-  env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env = dict(os.environ, PYTHONPATH=repo + os.pathsep + os.environ.get("PYTHONPATH", ""))
   procs = [subprocess.Popen([sys.executable, "-c", code, path, who], env=env)
            for who in ("a", "b")]
   assert [p.wait(timeout=120) for p in procs] == [0, 0]
