@@ -524,3 +524,70 @@ def test_hard_limits_hold_whatever_max_len_says():
                      rf"context of {n} \(a cache of \d+ holds every request\)"):
     fd.generate(target, [[3, 4, 5]], max_new_tokens=4,
                 runtime=fd.RuntimeOptions(max_len=10 ** 8))
+
+
+# ------------------------------------------------- outputs and endless loops ----
+
+def test_learning_curve_without_out_writes_beside_the_run_not_into_the_checkout(
+    tmp_path, monkeypatch, capsys):
+  from flexdraft_jax.training import learning_curve
+  tracked = os.path.join(REPO, "docs", "results", "learning_curve.md")
+  before = open(tracked, "rb").read() if os.path.exists(tracked) else None
+  run = tmp_path / "run"
+  run.mkdir()
+  (run / "metrics.csv").write_text(
+      "step,mask_rows,eval_tau,eval_acc_1,eval_acc_2,eval_acc_3,eval_acc_4\n"
+      "4,1000,2.0,0.5,0.4,0.3,0.2\n8,2000,2.2,0.5,0.4,0.3,0.2\n")
+  monkeypatch.chdir(REPO)  # where the old default (docs/results/…) was overwritten
+  with pytest.raises(SystemExit) as e:
+    learning_curve.run(["flexdraft_jax learning-curve", f"--metrics={run}/metrics.csv"])
+  assert e.value.code in (0, None)
+  assert capsys.readouterr().out.splitlines()[-1] == (
+      f"learning-curve: wrote {run}/learning_curve.png and .md")
+  assert (run / "learning_curve.md").read_text().startswith("| mask rows | offline τ |")
+  assert (run / "learning_curve.png").stat().st_size > 0
+  assert (open(tracked, "rb").read() if os.path.exists(tracked) else None) == before
+
+
+def test_add_ngram_out_replaces_only_a_drafter_it_can_read(tmp_path):
+  from flexdraft_jax.drafter import checkpoint as drafter_ckpt
+  from flexdraft_jax.drafter.model import Drafter, DrafterConfig, init_draft_params
+  from flexdraft_jax.training import add_ngram
+  import jax
+  target = tiny.tiny_target()
+  dcfg = DrafterConfig(num_layers=1, block_size=4, calib_rank=8)
+  old = str(tmp_path / "old")
+  drafter_ckpt.save_drafter(old, Drafter(dcfg, init_draft_params(
+      target.params, target.config, dcfg, jax.random.PRNGKey(0)), target.fingerprint), target)
+  add_ngram.check_out(old)                         # an earlier drafter: replaced
+  add_ngram.check_out(str(tmp_path / "new"))       # not there yet
+  (tmp_path / "empty").mkdir()
+  add_ngram.check_out(str(tmp_path / "empty"))     # nothing in it to lose
+  (tmp_path / "mine").mkdir()
+  (tmp_path / "mine" / "notes.txt").write_text("x")
+  with pytest.raises(FlexDraftError, match=r"is a folder that holds no drafter: add-ngram "
+                     r"writes a drafter folder and replaces only an earlier drafter"):
+    add_ngram.check_out(str(tmp_path / "mine"))
+  assert (tmp_path / "mine" / "notes.txt").read_text() == "x"
+
+
+def test_self_instruct_gives_up_on_a_target_that_never_writes_a_question(tmp_path, capsys):
+  from flexdraft_jax.training import self_instruct as si
+  out = tmp_path / "q.jsonl"
+  argv = ["flexdraft_jax self-instruct", f"--config={TINY}", "--num=2", f"--out={out}",
+          "--config.data.self_instruct.batch_size=4",
+          "--config.data.self_instruct.max_new_tokens=8",
+          "--config.data.self_instruct.mt_bench="]
+  with pytest.raises(SystemExit) as e:
+    si.run(argv)
+  assert e.value.code == 1
+  cap = capsys.readouterr()
+  assert "Traceback" not in cap.err
+  assert cap.err.strip().splitlines() == [
+      f"error: self-instruct gave up: {si.MAX_BARREN_BATCHES} batches in a row "
+      f"({si.MAX_BARREN_BATCHES * 4} candidates) made no acceptable question (0/2 made); "
+      "the target does not write the questions asked for (try another target, or "
+      f"--config.data.self_instruct.temperature); the questions made are in {out}"]
+  batches = [x for x in cap.out.splitlines() if x.startswith("self-instruct: 0/2 questions")]
+  assert len(batches) == si.MAX_BARREN_BATCHES
+  assert sorted(os.listdir(tmp_path)) == ["q.jsonl"]  # no q.jsonl.tmp left
