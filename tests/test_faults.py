@@ -591,3 +591,19 @@ def test_self_instruct_gives_up_on_a_target_that_never_writes_a_question(tmp_pat
   batches = [x for x in cap.out.splitlines() if x.startswith("self-instruct: 0/2 questions")]
   assert len(batches) == si.MAX_BARREN_BATCHES
   assert sorted(os.listdir(tmp_path)) == ["q.jsonl"]  # no q.jsonl.tmp left
+
+
+def test_eval_over_a_results_file_it_did_not_write_leaves_it_as_it_is(tmp_path, prompts_file,
+                                                                      capsys):
+  from flexdraft_jax.evaluation import sweep
+  w = tmp_path / "eval"
+  w.mkdir()
+  (w / "results.json").write_text("[1, 2, 3]")
+  with pytest.raises(SystemExit) as e:
+    sweep.run(_eval_argv(str(w), prompts_file, "ar,sequential"))
+  assert e.value.code == 1
+  assert capsys.readouterr().err.strip().splitlines()[-1] == (
+      f"error: {w}/results.json is not the results of an eval sweep (a JSON list); it is "
+      "left as it is: use another --workdir")
+  assert (w / "results.json").read_text() == "[1, 2, 3]"
+  assert sorted(os.listdir(w)) == ["results.json"]  # nothing else written, lock released
