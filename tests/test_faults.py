@@ -87,6 +87,22 @@ def test_folder_lock_names_its_holder_and_takes_over_a_stale_one(tmp_path, capsy
   assert err[0].endswith("), which is no longer running")
 
 
+def test_held_signals_wait_for_the_caller_and_a_second_one_acts_at_once():
+  before = signal.getsignal(signal.SIGTERM)
+  with run_control.stop_on_signals():
+    with run_control.held():
+      os.kill(os.getpid(), signal.SIGTERM)
+      with run_control.critical():  # a write inside: still held when it ends
+        pass
+      assert run_control.pending() == signal.SIGTERM
+      with pytest.raises(run_control.Stopped) as e:
+        os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C again: no waiting
+        time.sleep(1)
+      assert e.value.signum == signal.SIGINT
+  assert run_control.pending() is None
+  assert signal.getsignal(signal.SIGTERM) is before  # the handlers are given back
+
+
 def test_a_second_train_on_a_workdir_gets_one_line(tmp_path, regen, capsys):
   w = str(tmp_path / "w")
   os.makedirs(w)

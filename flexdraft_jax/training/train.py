@@ -418,7 +418,7 @@ def _train(config, workdir: str, t_begin: float, run: dict) -> TrainResult:
         save()
       bar.update(1)
       if stop:
-        raise run_control.Stopped(stop)
+        raise run_control.stop(stop)
       if last and done < end:
         bar.write(f"train: stopping at step {done} after train.max_minutes="
                   f"{tc.max_minutes} (rerun to resume)")
