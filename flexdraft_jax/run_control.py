@@ -8,7 +8,9 @@ kills a job.
   a process that is gone is taken over with a line saying so.
 - `stop_on_signals()`: SIGINT and SIGTERM raise `Stopped` (a
   KeyboardInterrupt) in the main thread; `critical()` holds a signal back
-  until a write that must not be cut in half (a shard, a results file) is done.
+  until a write that must not be cut in half (a shard, a results file) is done;
+  `held()` holds one back for the caller to act on at a point of its choosing
+  (training finishes its step and saves it first).
 """
 
 from __future__ import annotations
@@ -52,13 +54,15 @@ def stopped(e: BaseException, where: str) -> Stopped:
 _state = threading.local()
 _pending: list = []   # a signal held back by critical(), raised when it ends
 _depth = [0]          # nesting of critical() in the main thread
+_held = [0]           # nesting of held() in the main thread
 
 
 def _raise(signum, frame):
-  if _depth[0]:
+  if _depth[0] or (_held[0] and not _pending):
     _pending.append(signum)
     return
-  # A second signal while the run cleans up acts at once (the defaults).
+  # A second signal while held() waits for the step to end stops at once;
+  # one while the run cleans up acts at once (the defaults).
   _restore()
   raise Stopped(signum)
 
@@ -107,11 +111,40 @@ def critical():
   finally:
     if main:
       _depth[0] -= 1
-      if not _depth[0] and _pending:
+      if not _depth[0] and not _held[0] and _pending:
         signum = _pending[0]
         _pending.clear()
         _restore()
         raise Stopped(signum)
+
+
+@contextlib.contextmanager
+def held():
+  """Holds the first SIGINT / SIGTERM back for the block, and leaves it pending
+  when the block ends: the caller asks `pending()` at the points where it can
+  stop, and raises `Stopped` itself. A second signal acts at once (outside a
+  `critical()` write): Ctrl-C twice does not wait."""
+  main = threading.current_thread() is threading.main_thread()
+  if main:
+    _held[0] += 1
+  try:
+    yield
+  finally:
+    if main:
+      _held[0] -= 1
+
+
+def pending():
+  """The signal held back since (SIGINT or SIGTERM), or None."""
+  return _pending[0] if _pending else None
+
+
+def stop(signum) -> Stopped:
+  """The `Stopped` to raise for a held signal: the signal is taken, and the
+  default handlers are back (a second signal during the clean-up acts at once)."""
+  _pending.clear()
+  _restore()
+  return Stopped(signum)
 
 
 def resume_command(argv) -> str:

@@ -236,6 +236,20 @@ CASES = [
         "error: gsm8k: data file not found: {d}/none/gsm8k/test.jsonl (get it from "
         "openai/grade-school-math grade_school_math/data/test.jsonl; see shared/data/README.md; "
         "point --config.data_dir or $FLEXDRAFT_DATA at the folder)"),
+    cli("eval", "`--config.eval.limit=0` (ran every prompt)",
+        ["eval", f"--config={EVAL}", "--config.eval.limit=0", "--workdir", "{d}/e"],
+        "error: --config.eval.limit must be an integer >= 1 (prompts per benchmark), or -1 "
+        "for every prompt, got 0"),
+    cli("eval", "`--config.eval.modes=` (ran the AR baseline alone and reported success)",
+        ["eval", f"--config={EVAL}", "--config.eval.modes=", "--workdir", "{d}/e"],
+        "error: --config.eval.modes is empty: name at least one (e.g. "
+        "--config.eval.modes=ar,flex)"),
+    cli("eval", "resuming over a `results.json` that holds `[1, 2, 3]` (an AttributeError)",
+        ["eval", f"--config={EVAL}", "--config.eval.prompts_file={d}/eval_prompts.json",
+         "--config.eval.datasets=gsm8k", "--config.ablation.enabled=False",
+         "--workdir", "{d}/listresults"],
+        "error: {d}/listresults/results.json is not the results of an eval sweep (a JSON "
+        "list); it is left as it is: use another --workdir"),
     # --------------------------------------------------------- regenerate ----
     cli("regenerate", "`regen_dir` under a file",
         ["regenerate", f"--config={TINY}", "--config.data.regen_dir={d}/afile/r"],
@@ -252,6 +266,37 @@ CASES = [
         ["regenerate", f"--config={TINY}", "--config.data.paths.gsm8k={d}/none.jsonl",
          "--config.data.mix.arena_hard_v01=0", "--config.data.regen_dir={d}/r"],
         "error: prompt file not found: {d}/none.jsonl"),
+    # -------------------------------------------------------- offline-tau ----
+    cli("offline-tau", "`--limit=0` (ran every prompt)", ["offline-tau", "--limit=0"],
+        "error: --limit must be an integer >= 1 (prompts per benchmark), or -1 for every "
+        "prompt, got 0"),
+    cli("offline-tau", "a `--drafters` folder that does not exist (found after answering "
+        "the benchmark)", ["offline-tau", "--drafters={d}/nope"],
+        "error: --drafters: no drafter at {d}/nope (not a directory)"),
+    cli("offline-tau", "`--answers` a file of other records (was added to and written over)",
+        ["offline-tau", "--answers={d}/list.json"],
+        "error: --answers {d}/list.json is not an answers cache (it holds a JSON list of "
+        "other records); it is left as it is: pass another --answers"),
+    # ---------------------------------------------------------- add-ngram ----
+    cli("add-ngram", "`--weight=nan` (wrote a drafter whose prior is NaN)",
+        ["add-ngram", f"--config={TINY}", "--weight=nan", "--out={d}/ngram"],
+        "error: --weight must be a finite number, got nan"),
+    cli("add-ngram", "`--weight=inf`", ["add-ngram", f"--config={TINY}", "--weight=inf",
+                                         "--out={d}/ngram"],
+        "error: --weight must be a finite number, got inf"),
+    cli("add-ngram", "`--out` an existing file (was deleted for the drafter folder)",
+        ["add-ngram", f"--config={TINY}", "--out={d}/afile"],
+        "error: --out {d}/afile is a file: add-ngram writes a drafter folder and replaces "
+        "only an earlier drafter; pass another --out"),
+    cli("add-ngram", "`--out` a folder of other files (was deleted for the drafter folder)",
+        ["add-ngram", f"--config={TINY}", "--out={d}/notok"],
+        "error: --out {d}/notok is a folder that holds no drafter: add-ngram writes a drafter "
+        "folder and replaces only an earlier drafter; pass another --out"),
+    # ------------------------------------------------------ self-instruct ----
+    cli("self-instruct", "`--out` an existing directory (failed after sampling, left "
+        "`DIR.tmp`)", ["self-instruct", f"--config={TINY}", "--num=2", "--out={d}/notok"],
+        "error: --out {d}/notok is a directory: pass the path of the question file (JSON "
+        "lines), e.g. {d}/notok/questions.jsonl"),
 ]
 
 
@@ -277,6 +322,10 @@ def bad_files(tmp_path_factory):
   (tmp_path / "int.jsonl").write_text(json.dumps({"prompt": 123}) + "\n")
   (tmp_path / "notok").mkdir()  # an HF checkpoint folder without tokenizer.json
   (tmp_path / "notok" / "config.json").write_text("{}")
+  (tmp_path / "list.json").write_text("[1, 2, 3]")
+  (tmp_path / "eval_prompts.json").write_text(json.dumps({"gsm8k": ["What is 2+3?"]}))
+  (tmp_path / "listresults").mkdir()  # an eval workdir whose results.json is not its own
+  (tmp_path / "listresults" / "results.json").write_text("[1, 2, 3]")
   target0 = tiny.tiny_target()  # random:tiny:0's answers, with their meta.json
   tiny.write_fake_regen(str(tmp_path / "regen0"), target0, n=24)
   (tmp_path / "regen0" / "meta.json").write_text(json.dumps(

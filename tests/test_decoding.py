@@ -1,6 +1,7 @@
 """Lossless decoding: every mode equals AR at T=0; the engine's mechanics."""
 
 import json
+import os
 import types
 
 import jax
@@ -891,6 +892,41 @@ def test_step_cost_cache_location_and_failures(target, tmp_path, monkeypatch):
   # memory only: nothing written anywhere
   out = run(None)
   assert out.token_ids == ref.token_ids and not (tmp_path / "xdg").exists()
+
+
+def test_two_writers_of_one_cost_cache_merge_and_keep_its_mode(tmp_path, monkeypatch):
+  import subprocess
+  import sys
+  path = str(tmp_path / "costs.json")
+  monkeypatch.setattr(step_costs, "_COSTS_IN_MEMORY", {})
+  # a run reads the table at its start; another writes meanwhile; the first
+  # then writes what it measured: both measurements stay
+  with open(path, "w") as f:
+    json.dump({"old": {"ar": 1.0}}, f)
+  os.chmod(path, 0o640)
+  assert step_costs.read_costs(path) == {"old": {"ar": 1.0}}
+  with open(path, "w") as f:  # the other run's write
+    json.dump({"old": {"ar": 1.0}, "theirs": {"ar": 2.0}}, f)
+  step_costs.write_costs(path, {"mine": {"ar": 3.0}})
+  with open(path) as f:
+    assert json.load(f) == {"old": {"ar": 1.0}, "theirs": {"ar": 2.0}, "mine": {"ar": 3.0}}
+  assert os.stat(path).st_mode & 0o777 == 0o640  # was 0600 after a write
+  assert step_costs._COSTS_IN_MEMORY[path]["theirs"] == {"ar": 2.0}
+  # two processes writing at once, 40 measurements each: none lost
+  code = ("import sys; from flexdraft_jax.decoding import step_costs as s\n"
+          "for i in range(40):\n"
+          "  s.write_costs(sys.argv[1], {f'{sys.argv[2]}{i}': {'ar': float(i)}})")
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env = dict(os.environ, PYTHONPATH=repo + os.pathsep + os.environ.get("PYTHONPATH", ""))
+  procs = [subprocess.Popen([sys.executable, "-c", code, path, who], env=env)
+           for who in ("a", "b")]
+  assert [p.wait(timeout=120) for p in procs] == [0, 0]
+  with open(path) as f:
+    table = json.load(f)
+  assert sorted(table) == sorted(["old", "theirs", "mine"] + [f"{w}{i}" for w in "ab"
+                                                             for i in range(40)])
+  assert os.stat(path).st_mode & 0o777 == 0o640
+  assert sorted(os.listdir(tmp_path)) == ["costs.json", "costs.json.lock"]  # no .tmp left
 
 
 def test_compile_time_is_the_union_of_overlapping_spans():

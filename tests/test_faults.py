@@ -87,6 +87,22 @@ def test_folder_lock_names_its_holder_and_takes_over_a_stale_one(tmp_path, capsy
   assert err[0].endswith("), which is no longer running")
 
 
+def test_held_signals_wait_for_the_caller_and_a_second_one_acts_at_once():
+  before = signal.getsignal(signal.SIGTERM)
+  with run_control.stop_on_signals():
+    with run_control.held():
+      os.kill(os.getpid(), signal.SIGTERM)
+      with run_control.critical():  # a write inside: still held when it ends
+        pass
+      assert run_control.pending() == signal.SIGTERM
+      with pytest.raises(run_control.Stopped) as e:
+        os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C again: no waiting
+        time.sleep(1)
+      assert e.value.signum == signal.SIGINT
+  assert run_control.pending() is None
+  assert signal.getsignal(signal.SIGTERM) is before  # the handlers are given back
+
+
 def test_a_second_train_on_a_workdir_gets_one_line(tmp_path, regen, capsys):
   w = str(tmp_path / "w")
   os.makedirs(w)
@@ -133,7 +149,8 @@ def test_train_interrupted_after_and_mid_checkpoint_resumes_every_step_once(
   stopped = [x for x in _lines(err) if x.startswith("stopped")]
   first = max(_ckpts(w))
   assert stopped and stopped == [x for x in _lines(err) if "stopped" in x]
-  assert stopped[0].startswith("stopped by SIGINT: train at step ")
+  # the step it reached is the checkpoint it stopped with
+  assert stopped[0].startswith(f"stopped by SIGINT: train at step {first}; ")
   assert stopped[0].endswith(
       f"; checkpoint {first} is complete in {w}/ckpt; to resume, run: python -m "
       f"flexdraft_jax train {' '.join(flags)} --config.train.num_steps=100000 "
@@ -145,12 +162,13 @@ def test_train_interrupted_after_and_mid_checkpoint_resumes_every_step_once(
   # 2. SIGTERM (a scheduler) while a checkpoint is being written: the save in
   # flight is finished, then the run stops.
   end = first + 8
+  at = first + 4 - first % 2  # a periodic save (the stop above saved the step it reached)
   cfg = tiny.tiny_config(regen, num_steps=end, ckpt_every=2, eval_every=4, log_every=1)
   save, seen = ocp.CheckpointManager.save, {}
 
   def save_then_term(self, step, *a, **k):
     out = save(self, step, *a, **k)
-    if step == first + 4:
+    if step == at:
       seen["in_flight"] = not os.path.isdir(os.path.join(w, "ckpt", str(step)))
       os.kill(os.getpid(), signal.SIGTERM)
     return out
@@ -161,15 +179,15 @@ def test_train_interrupted_after_and_mid_checkpoint_resumes_every_step_once(
   monkeypatch.undo()
   assert seen == {"in_flight": True}
   assert e.value.signum == signal.SIGTERM
-  assert e.value.where == (f"train at step {first + 4}; checkpoint {first + 4} is "
+  assert e.value.where == (f"train at step {at}; checkpoint {at} is "
                            f"complete in {w}/ckpt")
-  assert first + 4 in _ckpts(w) and not glob.glob(os.path.join(w, "ckpt", "*tmp*"))
+  assert at in _ckpts(w) and not glob.glob(os.path.join(w, "ckpt", "*tmp*"))
   assert not os.path.exists(os.path.join(w, run_control.LOCK_FILE))
 
   # 3. A save cut short by SIGKILL leaves its temporary folder: the rerun
   # removes it and goes on from the last complete checkpoint to the end.
-  shutil.copytree(os.path.join(w, "ckpt", str(first + 4)),
-                  os.path.join(w, "ckpt", f"{first + 6}.orbax-checkpoint-tmp-1234"))
+  shutil.copytree(os.path.join(w, "ckpt", str(at)),
+                  os.path.join(w, "ckpt", f"{at + 2}.orbax-checkpoint-tmp-1234"))
   result = train.train(cfg, w)
   assert result.summary["steps"] == end
   assert _steps(w) == list(range(1, end + 1))  # every step once, in order
@@ -193,6 +211,169 @@ def test_train_interrupted_after_and_mid_checkpoint_resumes_every_step_once(
     train.train(cfg, w)
   assert "Traceback" not in capfd.readouterr().err
   assert _steps(w) == list(range(1, end + 1))  # nothing touched
+
+
+def _train_cmd(args):
+  """`python -m flexdraft_jax ARGS` as a scheduler starts it (SIGTERM: its default)."""
+  return [sys.executable, "-c", "import runpy, sys; sys.argv = ['flexdraft_jax'] + "
+          "sys.argv[1:]; runpy.run_module('flexdraft_jax', run_name='__main__')", *args]
+
+
+def test_sigterm_between_checkpoints_saves_the_step_reached_and_resumes_there(tmp_path,
+                                                                             regen):
+  w = str(tmp_path / "run")
+  flags = [f"--config={TINY}", f"--config.data.regen_dir={regen}",
+           "--config.train.seq_len=48", "--config.train.ckpt_every=1000",
+           "--config.train.eval_every=0", "--config.train.log_every=1"]
+  env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+  p = subprocess.Popen(_train_cmd(["train", *flags, "--config.train.num_steps=100000",
+                                   "--workdir", w]),
+                       env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                       text=True)
+  metrics, t0 = os.path.join(w, "metrics.csv"), time.time()
+  while p.poll() is None and not (os.path.exists(metrics) and len(_steps(w)) >= 3):
+    assert time.time() - t0 < 300, "no third step in 300 s"
+    time.sleep(0.05)
+  seen = len(_steps(w))
+  p.send_signal(signal.SIGTERM)  # well before the first periodic checkpoint (1000)
+  out, err = p.communicate(timeout=300)
+  assert p.returncode == 128 + signal.SIGTERM, err[-3000:]
+  assert "Traceback" not in err, err[-3000:]
+  stopped = [x for x in _lines(err) if "stopped" in x]
+  assert len(stopped) == 1, err[-3000:]
+  reached = int(re.match(r"stopped by SIGTERM: train at step (\d+); ", stopped[0]).group(1))
+  assert reached >= seen
+  assert stopped[0].startswith(f"stopped by SIGTERM: train at step {reached}; checkpoint "
+                               f"{reached} is complete in {w}/ckpt; to resume, run: ")
+  assert _ckpts(w) == [reached]  # the step it reached, saved on the way out
+  assert _steps(w) == list(range(1, reached + 1))
+  # the rerun resumes there and goes on: every step in metrics.csv once
+  result = train.train(tiny.tiny_config(regen, num_steps=reached + 2, ckpt_every=1000,
+                                        eval_every=0, log_every=1), w)
+  assert result.summary["steps"] == reached + 2
+  assert _steps(w) == list(range(1, reached + 3))
+  assert result.summary["tokens_seen"] > 0
+
+
+def test_diverging_training_stops_in_one_line_and_saves_nothing_non_finite(tmp_path, regen,
+                                                                           capsys):
+  import numpy as np
+  from flexdraft_jax.drafter import checkpoint as drafter_ckpt
+  w = str(tmp_path / "run")
+  argv = ["flexdraft_jax train", f"--config={TINY}", f"--config.data.regen_dir={regen}",
+          "--config.train.seq_len=48", "--config.train.lr=1e12",
+          "--config.train.ckpt_every=1", "--config.train.eval_every=1", "--workdir", w]
+  with pytest.raises(SystemExit) as e:
+    train.run(argv)
+  assert e.value.code == 1
+  err = capsys.readouterr().err
+  assert "Traceback" not in err
+  (line,) = [x for x in _lines(err) if x.startswith("error:")]
+  m = re.match(r"error: training diverged at step (\d+) \((loss \S+, grad norm \S+|the "
+               r"weights are no longer finite)\); nothing non-finite was saved and "
+               rf"checkpoint (\d+) in {w}/ckpt is the last finite one \(a rerun resumes "
+               r"there\): lower --config.train.lr \(now 1e\+12\) and rerun$", line)
+  assert m, line
+  step, last = int(m.group(1)), int(m.group(3))
+  assert last == max(_ckpts(w)) < step
+  assert not os.path.exists(os.path.join(w, "final_drafter"))
+  assert not os.path.exists(os.path.join(w, "summary.json"))  # no claim of success
+  for d in ("best_drafter",):  # what was kept is finite
+    drafter = drafter_ckpt.load_drafter(os.path.join(w, d), tiny.tiny_target())
+    import jax
+    assert all(np.isfinite(np.asarray(x, np.float32)).all()
+               for x in jax.tree.leaves(drafter.params))
+  # every checkpoint kept holds finite weights
+  mngr = ocp.CheckpointManager(os.path.join(w, "ckpt"))
+  for s in _ckpts(w):
+    state = mngr.restore(s, args=ocp.args.Composite(state=ocp.args.StandardRestore())).state
+    assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(state["params"]))
+  mngr.close()
+
+
+def test_a_non_finite_update_is_caught_before_the_weights_are_kept(tmp_path, regen,
+                                                                    monkeypatch):
+  # finite metrics, weights gone NaN: the check before a checkpoint stops the run
+  import jax
+  import jax.numpy as jnp
+  w = str(tmp_path / "run")
+  cfg = tiny.tiny_config(regen, num_steps=4, ckpt_every=2, eval_every=0, log_every=1)
+  make = train.make_steps
+
+  def spoiling(*a, **k):
+    step, ev = make(*a, **k)
+
+    def spoilt(state, tp, batch):
+      state, m = step(state, tp, batch)
+      bad = jax.tree.map(lambda x: jnp.where(state.step >= 4, jnp.nan, x), state.params)
+      return state._replace(params=bad), m
+    return spoilt, ev
+
+  monkeypatch.setattr(train, "make_steps", spoiling)
+  with pytest.raises(FlexDraftError, match=rf"^training diverged at step 4 \(the weights "
+                     rf"are no longer finite\); nothing non-finite was saved and checkpoint 2 "
+                     rf"in {w}/ckpt is the last finite one"):
+    train.train(cfg, w)
+  assert _ckpts(w) == [2] and not os.path.exists(os.path.join(w, "final_drafter"))
+  assert not os.path.exists(os.path.join(w, "best_drafter"))
+
+
+def _tree(folder) -> dict:
+  return {f: open(f, "rb").read() for f in glob.glob(os.path.join(folder, "**"),
+                                                     recursive=True) if os.path.isfile(f)}
+
+
+def test_resuming_a_damaged_latest_checkpoint_is_one_line_offering_the_intact_one(
+    tmp_path, regen, capfd):
+  w = str(tmp_path / "run")
+  train.train(tiny.tiny_config(regen, num_steps=4, ckpt_every=2, eval_every=0), w)
+  ckpt = os.path.join(w, "ckpt")
+  argv = ["flexdraft_jax train", f"--config={TINY}", f"--config.data.regen_dir={regen}",
+          "--config.train.seq_len=48", "--config.train.num_steps=8",
+          "--config.train.ckpt_every=2", "--config.train.eval_every=0", "--workdir", w]
+
+  def resume_fails() -> str:
+    before = _tree(w)
+    capfd.readouterr()
+    with pytest.raises(SystemExit) as e:
+      train.run(argv)
+    assert e.value.code == 1
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and "Event loop is closed" not in err, err[-3000:]
+    errors = [x for x in err.splitlines() if x.startswith("error:")]
+    assert len(errors) == 1 and err.strip().splitlines()[-1] == errors[0]
+    assert _tree(w) == before  # nothing moved, deleted or written
+    return errors[0]
+
+  # 1. a partial copy: step 6 holds its records but none of its arrays
+  os.makedirs(os.path.join(ckpt, "6", "state"))
+  for name in ("_CHECKPOINT_METADATA", "meta"):
+    src = os.path.join(ckpt, "4", name)
+    (shutil.copytree if os.path.isdir(src) else shutil.copy)(src, os.path.join(ckpt, "6", name))
+  shutil.copy(os.path.join(ckpt, "4", "state", "_METADATA"), os.path.join(ckpt, "6", "state"))
+  line = resume_fails()
+  assert re.fullmatch(
+      rf"error: --workdir {w}: checkpoint 6 is incomplete or damaged \(a partial copy, or "
+      rf"cut files: .+\); checkpoint 4 is intact: move {ckpt}/6 out of {ckpt} to resume "
+      r"from step 4", line), line
+  shutil.rmtree(os.path.join(ckpt, "6"))
+  # 2. cut data files: blamed on the checkpoint, not on the config
+  for f in glob.glob(os.path.join(ckpt, "4", "state", "ocdbt.process_0", "d", "*")):
+    with open(f, "r+b") as fh:
+      fh.truncate(os.path.getsize(f) // 2)
+  line = resume_fails()
+  assert "does not fit this config" not in line
+  assert re.fullmatch(
+      rf"error: --workdir {w}: checkpoint 4 is incomplete or damaged \(a partial copy, or "
+      rf"cut files: .+\); checkpoint 2 is intact: move {ckpt}/4 out of {ckpt} to resume "
+      r"from step 2", line), line
+  # moved aside as the line says, the run resumes from step 2
+  os.rename(os.path.join(ckpt, "4"), str(tmp_path / "4.damaged"))
+  with pytest.raises(SystemExit) as e:
+    train.run(argv)
+  assert e.value.code in (0, None)
+  assert "steps 2..8" in capfd.readouterr().out
+  assert _steps(w) == list(range(1, 9))
 
 
 def test_resumed_metrics_drop_a_row_a_killed_run_cut_short(tmp_path):
@@ -359,3 +540,86 @@ def test_hard_limits_hold_whatever_max_len_says():
                      rf"context of {n} \(a cache of \d+ holds every request\)"):
     fd.generate(target, [[3, 4, 5]], max_new_tokens=4,
                 runtime=fd.RuntimeOptions(max_len=10 ** 8))
+
+
+# ------------------------------------------------- outputs and endless loops ----
+
+def test_learning_curve_without_out_writes_beside_the_run_not_into_the_checkout(
+    tmp_path, monkeypatch, capsys):
+  from flexdraft_jax.training import learning_curve
+  tracked = os.path.join(REPO, "docs", "results", "learning_curve.md")
+  before = open(tracked, "rb").read() if os.path.exists(tracked) else None
+  run = tmp_path / "run"
+  run.mkdir()
+  (run / "metrics.csv").write_text(
+      "step,mask_rows,eval_tau,eval_acc_1,eval_acc_2,eval_acc_3,eval_acc_4\n"
+      "4,1000,2.0,0.5,0.4,0.3,0.2\n8,2000,2.2,0.5,0.4,0.3,0.2\n")
+  monkeypatch.chdir(REPO)  # where the old default (docs/results/…) was overwritten
+  with pytest.raises(SystemExit) as e:
+    learning_curve.run(["flexdraft_jax learning-curve", f"--metrics={run}/metrics.csv"])
+  assert e.value.code in (0, None)
+  assert capsys.readouterr().out.splitlines()[-1] == (
+      f"learning-curve: wrote {run}/learning_curve.png and .md")
+  assert (run / "learning_curve.md").read_text().startswith("| mask rows | offline τ |")
+  assert (run / "learning_curve.png").stat().st_size > 0
+  assert (open(tracked, "rb").read() if os.path.exists(tracked) else None) == before
+
+
+def test_add_ngram_out_replaces_only_a_drafter_it_can_read(tmp_path):
+  from flexdraft_jax.drafter import checkpoint as drafter_ckpt
+  from flexdraft_jax.drafter.model import Drafter, DrafterConfig, init_draft_params
+  from flexdraft_jax.training import add_ngram
+  import jax
+  target = tiny.tiny_target()
+  dcfg = DrafterConfig(num_layers=1, block_size=4, calib_rank=8)
+  old = str(tmp_path / "old")
+  drafter_ckpt.save_drafter(old, Drafter(dcfg, init_draft_params(
+      target.params, target.config, dcfg, jax.random.PRNGKey(0)), target.fingerprint), target)
+  add_ngram.check_out(old)                         # an earlier drafter: replaced
+  add_ngram.check_out(str(tmp_path / "new"))       # not there yet
+  (tmp_path / "empty").mkdir()
+  add_ngram.check_out(str(tmp_path / "empty"))     # nothing in it to lose
+  (tmp_path / "mine").mkdir()
+  (tmp_path / "mine" / "notes.txt").write_text("x")
+  with pytest.raises(FlexDraftError, match=r"is a folder that holds no drafter: add-ngram "
+                     r"writes a drafter folder and replaces only an earlier drafter"):
+    add_ngram.check_out(str(tmp_path / "mine"))
+  assert (tmp_path / "mine" / "notes.txt").read_text() == "x"
+
+
+def test_self_instruct_gives_up_on_a_target_that_never_writes_a_question(tmp_path, capsys):
+  from flexdraft_jax.training import self_instruct as si
+  out = tmp_path / "q.jsonl"
+  argv = ["flexdraft_jax self-instruct", f"--config={TINY}", "--num=2", f"--out={out}",
+          "--config.data.self_instruct.batch_size=4",
+          "--config.data.self_instruct.max_new_tokens=8",
+          "--config.data.self_instruct.mt_bench="]
+  with pytest.raises(SystemExit) as e:
+    si.run(argv)
+  assert e.value.code == 1
+  cap = capsys.readouterr()
+  assert "Traceback" not in cap.err
+  assert cap.err.strip().splitlines() == [
+      f"error: self-instruct gave up: {si.MAX_BARREN_BATCHES} batches in a row "
+      f"({si.MAX_BARREN_BATCHES * 4} candidates) made no acceptable question (0/2 made); "
+      "the target does not write the questions asked for (try another target, or "
+      f"--config.data.self_instruct.temperature); the questions made are in {out}"]
+  batches = [x for x in cap.out.splitlines() if x.startswith("self-instruct: 0/2 questions")]
+  assert len(batches) == si.MAX_BARREN_BATCHES
+  assert sorted(os.listdir(tmp_path)) == ["q.jsonl"]  # no q.jsonl.tmp left
+
+
+def test_eval_over_a_results_file_it_did_not_write_leaves_it_as_it_is(tmp_path, prompts_file,
+                                                                      capsys):
+  from flexdraft_jax.evaluation import sweep
+  w = tmp_path / "eval"
+  w.mkdir()
+  (w / "results.json").write_text("[1, 2, 3]")
+  with pytest.raises(SystemExit) as e:
+    sweep.run(_eval_argv(str(w), prompts_file, "ar,sequential"))
+  assert e.value.code == 1
+  assert capsys.readouterr().err.strip().splitlines()[-1] == (
+      f"error: {w}/results.json is not the results of an eval sweep (a JSON list); it is "
+      "left as it is: use another --workdir")
+  assert (w / "results.json").read_text() == "[1, 2, 3]"
+  assert sorted(os.listdir(w)) == ["results.json"]  # nothing else written, lock released

@@ -572,8 +572,7 @@ class FlexPolicy:
       xs = np.array(ends[mode], float)
       ys = np.array([timed[(mode, k)] for k in ends[mode]])
       costs[mode] = {str(k): float(np.interp(k, xs, ys)) for k in ks}
-    table[key] = costs
-    step_costs.write_costs(self.cost_path, table)
+    step_costs.write_costs(self.cost_path, {key: costs})  # merged into the file
     self.timing_spans.append((start, time.time()))  # not decoding: left out of its time
     return costs
 

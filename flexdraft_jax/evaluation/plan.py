@@ -104,11 +104,17 @@ def check_settings(config) -> None:
     if b < 1:
       raise FlexDraftError(f"--config.eval.batch_sizes and --config.ablation.batch_sizes "
                            f"must be >= 1, got {b}")
-  for name, low in (("max_new_tokens", 1), ("limit", 0), ("batches_per_cell", 0),
+  for name, low in (("max_new_tokens", 1), ("batches_per_cell", 0),
                     ("max_timing_runs", 1), ("max_len", 0), ("block_size", 0)):
     v = ec[name]
     if not isinstance(v, int) or isinstance(v, bool) or v < low:
       raise FlexDraftError(f"--config.eval.{name} must be an integer >= {low}, got {v!r}")
+  check_limit(ec.limit, "--config.eval.limit")
+  # An empty list ran the AR baseline alone (modes) or nothing, and reported success.
+  for name in ("datasets", "modes", "batch_sizes", "temperatures"):
+    if not parse_list(ec[name]):
+      raise FlexDraftError(f"--config.eval.{name} is empty: name at least one (e.g. "
+                           f"--config.eval.{name}={default_config_value(name)})")
   try:
     options.SpecOptions(threshold=ec.theta, strategy=ec.strategy,
                         flex_threshold=parse_flex_threshold(ec.flex_threshold,
@@ -116,6 +122,21 @@ def check_settings(config) -> None:
     options.RuntimeOptions(attn_impl=ec.attn_impl)
   except FlexDraftError as e:
     raise FlexDraftError(f"--config.eval: {e}") from None
+
+
+def check_limit(limit, flag: str) -> None:
+  """Prompts per benchmark: >= 1, or -1 for all of them. 0 is refused: it read
+  as "none" and ran every prompt."""
+  if not isinstance(limit, int) or isinstance(limit, bool) or not (limit >= 1 or
+                                                                   limit == -1):
+    raise FlexDraftError(f"{flag} must be an integer >= 1 (prompts per benchmark), or -1 "
+                         f"for every prompt, got {limit!r}")
+
+
+def default_config_value(name: str) -> str:
+  """An example value of an eval list setting, for error messages."""
+  return {"datasets": "gsm8k,mt_bench", "modes": "ar,flex", "batch_sizes": "1,4",
+          "temperatures": "0"}[name]
 
 
 def plan_cells(config, ablation: list) -> list:

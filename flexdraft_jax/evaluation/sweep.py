@@ -60,7 +60,7 @@ def default_config() -> ml_collections.ConfigDict:
   c.data_dir = data_root()        # $FLEXDRAFT_DATA, else <repo>/../shared/data
   c.eval = ml_collections.ConfigDict(dict(
       datasets="gsm8k,math500,humaneval,mbpp,mt_bench",
-      limit=16,                   # prompts per dataset (the first ones of the file)
+      limit=16,                   # prompts per dataset (the first ones of the file; -1: all)
       # At most this many batches per cell (0: all): a cell of batch size b
       # runs the first b·batches_per_cell prompts, so small batches do not
       # dominate a CPU sweep while batch 16 still gets 16 prompts.
@@ -134,6 +134,12 @@ def load_results(workdir: str) -> dict:
       results = json.load(f)
   except (OSError, ValueError) as e:
     raise FlexDraftError(f"cannot read {path}: {e}") from None
+  if not (isinstance(results, dict) and isinstance(results.get("cells"), dict)
+          and isinstance(results.get("meta"), dict)):
+    what = (f"an object without {{'meta': {{…}}, 'cells': {{…}}}}" if isinstance(results, dict)
+            else f"a JSON {type(results).__name__}")
+    raise FlexDraftError(f"{path} is not the results of an eval sweep ({what}); it is left "
+                         "as it is: use another --workdir")
   if results.get("version") != FORMAT_VERSION:
     raise FlexDraftError(f"{path} has format version {results.get('version')}, "
                          f"this code writes {FORMAT_VERSION}; use another --workdir")
@@ -225,6 +231,7 @@ def run_sweep(config, workdir: str, *, prompts: Optional[dict] = None, target=No
   early_prompts = _load_prompts(config, sorted(datasets), prompts)
   workdir = writable_dir(workdir)
   with run_control.folder_lock(workdir, "eval"):
+    load_results(workdir)  # one it cannot resume: one line before the model loads
     try:
       return _sweep(config, workdir, early_prompts, target, drafter, progress)
     except KeyboardInterrupt as e:

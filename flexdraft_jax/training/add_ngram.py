@@ -78,12 +78,39 @@ def _best_on_held_out(target, drafter, held):
   return best[1]
 
 
+def check_out(out: str) -> None:
+  """`--out` is a drafter folder to write or replace: an empty folder or one
+  that does not exist yet, or an earlier drafter (replaced, as training
+  replaces its own, its other files kept). Anything else there (a file, a
+  folder of other things) is refused in one line: it would be deleted."""
+  import os
+  from flexdraft_jax.drafter import checkpoint
+  from flexdraft_jax.model.config import FlexDraftError
+  if not out:
+    raise FlexDraftError("--out is required (the drafter folder to write)")
+  if not os.path.lexists(out) or (os.path.isdir(out) and not os.listdir(out)):
+    return
+  what = "a file" if not os.path.isdir(out) else "a folder that holds no drafter"
+  try:
+    checkpoint.read_meta(out)
+  except FlexDraftError:
+    raise FlexDraftError(f"--out {out} is {what}: add-ngram writes a drafter folder and "
+                         "replaces only an earlier drafter; pass another --out") from None
+
+
 def main(argv):
+  import math
+  import os
   from absl import flags
   from flexdraft_jax.model.config import FlexDraftError
   if len(argv) > 1:
     raise FlexDraftError(f"unexpected arguments: {' '.join(argv[1:])}")
   FLAGS = flags.FLAGS
+  for name in ("weight", "context_trigram", "context_bigram", "smoothing_bi",
+               "smoothing_tri"):
+    if not math.isfinite(FLAGS[name].value):
+      raise FlexDraftError(f"--{name} must be a finite number, got {FLAGS[name].value}")
+  check_out(FLAGS.out)
   import numpy as np
   import flexdraft_jax as fd
   from flexdraft_jax.drafter import checkpoint, ngram
@@ -132,7 +159,7 @@ def main(argv):
   out = Drafter(dcfg, params, drafter.target_fingerprint)
   checkpoint.save_drafter(FLAGS.out, out, target,
                           training=dict(meta.get("training", {}), ngram=record))
-  print(f"add_ngram: wrote {FLAGS.out}", flush=True)
+  print(f"add_ngram: wrote {os.path.abspath(FLAGS.out)}", flush=True)
 
 
 def run(argv):

@@ -1,13 +1,16 @@
 """The training run's orbax checkpoints: the manager, resuming (exactly, also
 from checkpoints saved before the optimizer ran over both modules, or refused
 in one line when the checkpoints were made by another target or drafter
-shape), and what a killed save leaves behind."""
+shape, or when the latest one is incomplete or damaged), and what a killed
+save leaves behind."""
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 import shutil
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -67,6 +70,26 @@ def check_same_run(saved: dict, made_by: dict, where: str) -> None:
         for k in changed), flush=True)
 
 
+def _closed_loop_noise(hook):
+  """`sys.unraisablehook` that drops the "Event loop is closed" errors of a
+  failed orbax restore (tensorstore reads still in flight call back into the
+  event loop orbax has closed: dozens of tracebacks after the one real
+  error) and passes everything else to `hook`."""
+  def filtered(u):
+    if isinstance(u.exc_value, RuntimeError) and str(u.exc_value) == "Event loop is closed":
+      return
+    hook(u)
+  return filtered
+
+
+def _quiet_failed_reads() -> None:
+  """From now on (the callbacks come late), a failed restore prints no stray
+  tracebacks; any other unraisable error still does."""
+  if not getattr(sys.unraisablehook, "_flexdraft_quiet", False):
+    sys.unraisablehook = _closed_loop_noise(sys.unraisablehook)
+    sys.unraisablehook._flexdraft_quiet = True
+
+
 def _restore(mngr, step: int, like) -> tuple:
   """(state, meta) of checkpoint `step`, the state laid out as `like`."""
   restored = mngr.restore(step, args=ocp.args.Composite(
@@ -81,7 +104,7 @@ def _restore_legacy(mngr, step: int, like):
   old = like._replace(opt_state=steps.legacy_opt_state(like.opt_state))
   try:
     state, meta = _restore(mngr, step, old)
-  except (ValueError, TypeError, KeyError):
+  except Exception:  # pylint: disable=broad-except  # not one (or damaged: the caller says)
     return None
   if jax.process_index() == 0:
     print(f"train: note: checkpoint {step} predates the optimizer over both modules; "
@@ -102,18 +125,23 @@ def restore(mngr, state, made_by: dict):
   start = mngr.latest_step() or 0
   if start:
     where = f"--workdir {os.path.dirname(os.fspath(mngr.directory))}"
-    saved = mngr.restore(start, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
-    check_same_run(dict(saved.meta), made_by, where)
-    had_ema = bool(dict(saved.meta).get("ema", False))
-    like = state._replace(ema=state.params if had_ema else None)
+    _quiet_failed_reads()
+    try:
+      saved = dict(mngr.restore(start, args=ocp.args.Composite(
+          meta=ocp.args.JsonRestore())).meta)
+    except Exception as e:  # pylint: disable=broad-except  # its files are not all there
+      raise _damaged(mngr, start, state, e, where) from None
+    check_same_run(saved, made_by, where)
+    like = state._replace(ema=state.params if saved.get("ema", False) else None)
     try:
       restored, meta = _restore(mngr, start, like)
-    except (ValueError, TypeError, KeyError) as e:  # older checkpoints
+    except Exception as e:  # pylint: disable=broad-except  # older, damaged or another config
       legacy = _restore_legacy(mngr, start, like)
       if legacy is None:
-        first = (str(e).strip().splitlines() or [""])[0][:200]
+        if _fits(mngr, start, like):
+          raise _damaged(mngr, start, state, e, where) from None
         raise FlexDraftError(f"{where}: checkpoint {start} does not fit this config "
-                             f"({type(e).__name__}: {first}); use another --workdir, or "
+                             f"({_first_line(e)}); use another --workdir, or "
                              "the config it was started with") from None
       restored, meta = legacy
     ema = restored.ema
@@ -125,3 +153,56 @@ def restore(mngr, state, made_by: dict):
   meta["ema"] = state.ema is not None
   meta.update(made_by)
   return start, state, meta
+
+
+def _first_line(e: BaseException) -> str:
+  line = (str(e).strip().splitlines() or [""])[0].split(" [tensorstore_spec")[0]
+  return f"{type(e).__name__}: {line[:200]}"
+
+
+def _shapes(tree) -> list:
+  return sorted(tuple(x.shape) for x in jax.tree.leaves(tree))
+
+
+def _fits(mngr, step: int, like) -> bool:
+  """Whether checkpoint `step`'s own record of its arrays (orbax's metadata,
+  read without the data) has the shapes of `like` or of its older layout: a
+  restore that fails then failed on the data (cut files), not on the config.
+  A checkpoint whose record cannot be read is missing files: it fits too."""
+  try:
+    saved = ocp.StandardCheckpointHandler().metadata(
+        mngr.directory / str(step) / "state")
+  except Exception:  # pylint: disable=broad-except
+    return True
+  saved = _shapes(saved.tree if hasattr(saved, "tree") else saved)
+  old = like._replace(opt_state=steps.legacy_opt_state(like.opt_state))
+  return saved in (_shapes(like), _shapes(old))
+
+
+def _damaged(mngr, step: int, state, e: BaseException, where: str) -> FlexDraftError:
+  """The one line for a latest checkpoint that is incomplete (a partial copy)
+  or damaged (cut files): it names the step and the latest earlier checkpoint
+  that restores. Nothing is moved or deleted: which copy to trust is the
+  user's call, and the damaged one may be all there is of those steps."""
+  ckpt = os.fspath(mngr.directory)
+  intact = None
+  for s in sorted((s for s in mngr.all_steps() if s < step), reverse=True):
+    try:
+      meta = dict(mngr.restore(s, args=ocp.args.Composite(
+          meta=ocp.args.JsonRestore())).meta)
+    except Exception:  # pylint: disable=broad-except
+      continue
+    like = state._replace(ema=state.params if meta.get("ema", False) else None)
+    try:
+      _restore(mngr, s, like)
+    except Exception:  # pylint: disable=broad-except
+      with contextlib.redirect_stdout(None):  # its note would speak of a resume
+        if _restore_legacy(mngr, s, like) is None:
+          continue
+    intact = s
+    break
+  offer = (f"checkpoint {intact} is intact: move {ckpt}/{step} out of {ckpt} to resume "
+           f"from step {intact}" if intact is not None else
+           "no earlier checkpoint restores either: use another --workdir")
+  return FlexDraftError(f"{where}: checkpoint {step} is incomplete or damaged (a partial "
+                        f"copy, or cut files: {_first_line(e)}); {offer}")

@@ -1,7 +1,7 @@
 """The drafter's learning curve: held-out τ and slot accuracy vs mask rows seen.
 
   python -m flexdraft_jax learning-curve --metrics=RUN/metrics.csv \
-      --out=docs/results/learning_curve
+      [--out=docs/results/learning_curve]
 
 Reads the eval rows of one or more training runs' metrics.csv (a run that
 warm-started from another's drafter continues its `mask_rows`), plots offline
@@ -10,7 +10,8 @@ writes OUT.md: the table (`--compare` overlays earlier runs' τ) and a log-linea
 points, with the mask rows it predicts for τ = 3, 4, 5 (an extrapolation, not a
 promise: such curves bend). Rows that also scored the held-out questions in the
 prompt variants' formats (`variant_eval_tau`: the benchmarks' instructions) add
-that curve and a table column.
+that curve and a table column. Without `--out` the files go beside the last
+`--metrics` file (RUN/learning_curve.png and .md); the command says where.
 """
 
 from __future__ import annotations
@@ -137,7 +138,8 @@ def run(argv):
     if name in flags.FLAGS:
       delattr(flags.FLAGS, name)
   flags.DEFINE_list("metrics", [], "(required) metrics.csv files, oldest run first")
-  flags.DEFINE_string("out", "docs/results/learning_curve", "output path without suffix")
+  flags.DEFINE_string("out", "", "output path without suffix (default: learning_curve "
+                      "beside the last --metrics file)")
   flags.DEFINE_string("title", "SmolLM2-135M drafter", "plot title")
   flags.DEFINE_string("label", "held-out τ", "legend label of --metrics' τ curve")
   flags.DEFINE_list("compare", [], "earlier runs' τ curves to overlay: LABEL=metrics.csv "
@@ -150,7 +152,13 @@ def run(argv):
       raise FlexDraftError(f"unexpected arguments: {' '.join(args[1:])}")
     if not FLAGS.metrics:
       raise FlexDraftError("--metrics is required")
-    print(write_curve(FLAGS.metrics, FLAGS.out, title=FLAGS.title, label=FLAGS.label,
+    for path in FLAGS.metrics:
+      if not os.path.isfile(path):
+        raise FlexDraftError(f"--metrics: no file {path}")
+    out = FLAGS.out or os.path.join(os.path.dirname(os.path.abspath(FLAGS.metrics[-1])),
+                                    "learning_curve")
+    print(write_curve(FLAGS.metrics, out, title=FLAGS.title, label=FLAGS.label,
                       compare=FLAGS.compare))
+    print(f"learning-curve: wrote {os.path.abspath(out)}.png and .md", flush=True)
 
   cli_util.run_main(main, argv, doc=__doc__, key_flags=names)

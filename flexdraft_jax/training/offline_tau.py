@@ -38,10 +38,7 @@ def benchmark_answers(target, name: str, data_dir: str, *, limit: int,
   import flexdraft_jax as fd
   from flexdraft_jax.evaluation import benchmarks
   key = f"{name}/{limit}/{max_new_tokens}/{target.fingerprint}"
-  cached = {}
-  if os.path.exists(cache):
-    with open(cache) as f:
-      cached = json.load(f)
+  cached = read_answers(cache)
   if key in cached:
     return cached[key]
   kw = benchmarks.chat_kwargs(target)
@@ -57,6 +54,28 @@ def benchmark_answers(target, name: str, data_dir: str, *, limit: int,
     json.dump(cached, f)
   os.replace(cache + ".tmp", cache)
   return cached[key]
+
+
+def read_answers(cache: str) -> dict:
+  """The answers cache `cache` ({} when there is none); a file that is not one
+  (another program's, broken JSON, a folder) is refused in one line and left as
+  it is: the answers are added to it and it is written over."""
+  from flexdraft_jax.model.config import FlexDraftError
+  if not os.path.lexists(cache):
+    return {}
+  try:
+    with open(cache) as f:
+      cached = json.load(f)
+  except (OSError, ValueError) as e:
+    raise FlexDraftError(f"--answers {cache} is not an answers cache this can read "
+                         f"({type(e).__name__}: {e}); it is left as it is: pass another "
+                         "--answers") from None
+  if not (isinstance(cached, dict) and all(
+      isinstance(v, dict) and {"prompts", "answers"} <= set(v) for v in cached.values())):
+    raise FlexDraftError(f"--answers {cache} is not an answers cache (it holds a JSON "
+                         f"{type(cached).__name__} of other records); it is left as it is: "
+                         "pass another --answers")
+  return cached
 
 
 def score(target, drafter, prompts: list, answers: list, max_new_tokens: int = 128,
@@ -125,11 +144,12 @@ def run(argv):
   flags.DEFINE_list("drafters", ["flexdraft_jax/drafters/smollm2_135m_L8"],
                     "drafter directories")
   flags.DEFINE_list("datasets", ["gsm8k", "humaneval", "mbpp"], "benchmarks")
-  flags.DEFINE_integer("limit", 64, "prompts per benchmark (the first ones)")
+  flags.DEFINE_integer("limit", 64, "prompts per benchmark (the first ones; -1: all)")
   flags.DEFINE_integer("max_new_tokens", 128, "answer tokens per prompt")
   flags.DEFINE_integer("batch_size", 16, "AR batch that answers the prompts")
-  flags.DEFINE_string("answers", "runs/offline_tau/answers.json",
-                      "cache of the target's answers")
+  flags.DEFINE_string("answers", "", "cache of the target's answers (default: "
+                      "offline_tau/answers.json under $FLEXDRAFT_RUNS, else ../runs beside "
+                      "the checkout)")
   flags.DEFINE_string("data_dir", "", "benchmark files (default: $FLEXDRAFT_DATA, else "
                       "../shared/data)")
   flags.DEFINE_string("model", "smollm2-135m", "the target the drafters belong to")
@@ -141,14 +161,27 @@ def run(argv):
     from flexdraft_jax.model.config import FlexDraftError
     if len(args) > 1:
       raise FlexDraftError(f"unexpected arguments: {' '.join(args[1:])}")
-    import flexdraft_jax as fd
+    from flexdraft_jax.drafter import checkpoint
     from flexdraft_jax.evaluation import plan
-    from flexdraft_jax.paths import data_root
+    from flexdraft_jax.paths import data_root, runs_root
+    # Every check that needs no model comes before the target answers anything.
+    plan.check_limit(FLAGS.limit, "--limit")
+    if not FLAGS.drafters:
+      raise FlexDraftError("--drafters is empty: name at least one drafter directory")
+    for path in FLAGS.drafters:
+      if not os.path.isdir(plan.resolve_path(path)):
+        raise FlexDraftError(f"--drafters: no drafter at {path} (not a directory)")
+      checkpoint.read_meta(plan.resolve_path(path))  # unreadable: one line
+    answers = FLAGS.answers or os.path.join(runs_root(), "offline_tau", "answers.json")
+    read_answers(answers)
+    print(f"offline-tau: the target's answers are cached in {os.path.abspath(answers)} "
+          "(--answers)", flush=True)
+    import flexdraft_jax as fd
     target = fd.load_target(FLAGS.model)
     data_dir = FLAGS.data_dir or data_root()
     sets = {name: benchmark_answers(target, name, data_dir, limit=FLAGS.limit,
                                     max_new_tokens=FLAGS.max_new_tokens,
-                                    batch_size=FLAGS.batch_size, cache=FLAGS.answers)
+                                    batch_size=FLAGS.batch_size, cache=answers)
             for name in FLAGS.datasets}
     print(table_header("drafter", "dataset", "prompts"), flush=True)
     for path in FLAGS.drafters:

@@ -212,6 +212,9 @@ _LABEL = re.compile(r"^\s*(?:(?:question|request|user|prompt|query|q)\s*[:\-]|\d
 _CLOSE = re.compile(r"(?<=[?.!])\"|\"\s*(?:\n|$)")
 MIN_WORDS, MAX_WORDS, MAX_CHARS = 4, 60, 300
 MAX_PROMPT_TOKENS = 256
+# Batches in a row without a new question after which sampling gives up: a
+# target that does not write the questions asked for would loop for ever.
+MAX_BARREN_BATCHES = 20
 
 
 def content_words(text: str) -> frozenset:
@@ -334,13 +337,16 @@ def settings(config, target) -> dict:
 
 
 def make_questions(target, num: int, gen: dict, *, avoid=(), rows=(), chat_kwargs=None,
-                   max_batches: int = 0, on_batch=None) -> list:
+                   max_batches: int = 0, on_batch=None,
+                   max_barren: int = MAX_BARREN_BATCHES) -> list:
   """`rows` (earlier questions of the same `gen` settings) followed by new ones
   until there are `num`; `avoid`: content-word sets no question may be near.
   Candidates are sampled `gen["batch_size"]` at a time (batch b with seed
   `_batch_seed(seed, b)`), so the rows are the same however often a run is
   resumed. `on_batch(rows, seconds)` after each batch; `max_batches` > 0
-  stops after that many new batches."""
+  stops after that many new batches. `max_barren` batches in a row that add
+  no question stop it with a FlexDraftError (the rows so far were given to
+  `on_batch`)."""
   from flexdraft_jax.decoding.engine import generate
   from flexdraft_jax.decoding.options import RuntimeOptions
   from flexdraft_jax.decoding.sampling import SamplingParams
@@ -353,8 +359,9 @@ def make_questions(target, num: int, gen: dict, *, avoid=(), rows=(), chat_kwarg
     batch = last // bs  # redo the batch the file ends in: candidates after `last`
   max_len = round_up(MAX_PROMPT_TOKENS + gen["max_new_tokens"], 64)
   stream = candidates(gen["seed"], batch * bs)
-  done = 0
+  done = barren = 0
   while len(rows) < num and not (max_batches and done >= max_batches):
+    before = len(rows)
     chunk = [next(stream) for _ in range(bs)]
     ids = [candidate_ids(target.tokenizer, c, chat_kwargs or {}) for c in chunk]
     if max(map(len, ids)) > MAX_PROMPT_TOKENS:  # one cache size: one compile
@@ -379,6 +386,13 @@ def make_questions(target, num: int, gen: dict, *, avoid=(), rows=(), chat_kwarg
     batch, done = batch + 1, done + 1
     if on_batch:
       on_batch(rows, dt)
+    barren = barren + 1 if len(rows) == before else 0
+    if barren >= max_barren:
+      raise FlexDraftError(
+          f"self-instruct gave up: {barren} batches in a row ({barren * bs} candidates) "
+          f"made no acceptable question ({len(rows)}/{num} made); the target does not "
+          "write the questions asked for (try another target, or "
+          "--config.data.self_instruct.temperature)")
   return rows
 
 
@@ -390,18 +404,40 @@ def read_questions(path: str) -> list:
 
 
 def write_questions(path: str, rows: list) -> None:
-  """Writes the rows as JSON lines, atomically."""
+  """Writes the rows as JSON lines, atomically (no failure leaves the
+  temporary file)."""
   os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-  with open(path + ".tmp", "w", encoding="utf-8") as f:
-    for r in rows:
-      f.write(json.dumps(r, ensure_ascii=False) + "\n")
-  os.replace(path + ".tmp", path)
+  try:
+    with open(path + ".tmp", "w", encoding="utf-8") as f:
+      for r in rows:
+        f.write(json.dumps(r, ensure_ascii=False) + "\n")
+    os.replace(path + ".tmp", path)
+  except BaseException:
+    if os.path.isfile(path + ".tmp"):
+      os.remove(path + ".tmp")
+    raise
+
+
+def check_out(out: str, flag: str = "--out") -> None:
+  """The question file must be a file (or not there yet): one line before
+  anything is sampled."""
+  if os.path.isdir(out):
+    raise FlexDraftError(f"{flag} {out} is a directory: pass the path of the question "
+                         f"file (JSON lines), e.g. {os.path.join(out, 'questions.jsonl')}")
+  parent = os.path.dirname(os.path.abspath(out))
+  while not os.path.lexists(parent):
+    parent = os.path.dirname(parent)
+  if not os.path.isdir(parent):
+    raise FlexDraftError(f"{flag} {out}: a file is in the way ({parent} is not a "
+                         "directory)")
 
 
 def self_instruct(config, num: int, out: str = "") -> dict:
   """Makes (or extends) the question file `out` (default
   `config.data.paths.self_instruct`) to `num` questions; returns counts."""
   from flexdraft_jax.model import loading
+  check_out(out or config.data.paths[SOURCE],
+            "--out" if out else "--config.data.paths.self_instruct")
   out = out or config.data.paths[SOURCE]
   sc = config.data.self_instruct
   avoid = read_avoid(sc.mt_bench)
@@ -428,8 +464,11 @@ def self_instruct(config, num: int, out: str = "") -> dict:
 
   before = len(rows)
   first = rows[-1]["candidate"] + 1 if rows else 0
-  rows = make_questions(target, num, gen, avoid=avoid, rows=rows,
-                        chat_kwargs=dict(config.data.chat_kwargs), on_batch=on_batch)
+  try:
+    rows = make_questions(target, num, gen, avoid=avoid, rows=rows,
+                          chat_kwargs=dict(config.data.chat_kwargs), on_batch=on_batch)
+  except FlexDraftError as e:
+    raise FlexDraftError(f"{e}; the questions made are in {out}") from None
   write_questions(out, rows)
   made = len(rows) - before
   seen = rows[-1]["candidate"] + 1 - first if made else tried["batches"] * gen["batch_size"]

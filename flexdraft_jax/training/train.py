@@ -218,9 +218,12 @@ def _train_row(m, meta, bs, rate) -> dict:
 
 def train(config, workdir: str) -> TrainResult:
   """Runs (or resumes) training in `workdir`, one run per workdir at a time
-  (WORKDIR/flexdraft.lock names it). Ctrl-C or SIGTERM stops it cleanly: the
-  checkpoint being saved is finished, nothing half-written is left, and
-  `run_control.Stopped` says where it stopped (rerunning resumes)."""
+  (WORKDIR/flexdraft.lock names it). Ctrl-C or SIGTERM (a scheduler's notice
+  before it preempts the job) stops it cleanly: the step in progress is
+  finished and saved as a checkpoint, nothing half-written is left, and
+  `run_control.Stopped` says where it stopped (rerunning resumes there). A
+  loss or weights gone non-finite stop it in one line (FlexDraftError);
+  nothing non-finite is ever saved as a checkpoint or a drafter."""
   check_train_config(config)
   t_begin = time.perf_counter()  # train.max_minutes counts from here
   sharding.maybe_initialize_distributed(**dict(config.distributed))
@@ -234,6 +237,9 @@ def train(config, workdir: str) -> TrainResult:
       return _train(config, workdir, t_begin, run)
     except KeyboardInterrupt as e:
       raise run_control.stopped(e, _stop_cleanly(run, workdir)) from None
+    except FlexDraftError:  # a one-line stop (diverged, a damaged checkpoint): close up
+      _stop_cleanly(run, workdir)
+      raise
 
 
 def _stop_cleanly(run: dict, workdir: str) -> str:
@@ -335,64 +341,88 @@ def _train(config, workdir: str, t_begin: float, run: dict) -> TrainResult:
                                        tc.batch_size)
   batch = put(start) if start < end else None
   deadline = t_begin + 60.0 * tc.max_minutes if tc.max_minutes else None
-  for step in range(start, end):
-    state, m = train_step(state, target_params, batch)
-    # The step runs asynchronously: assemble the next batch meanwhile (with
-    # cached K/V, reads from the memory-mapped cache), then wait for it.
-    batch = put(step + 1) if step + 1 < end else None
-    m = jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), m)
-    meta["tokens_seen"] += int(m["tokens"])
-    meta["mask_rows"] += rows_per_step
-    done, row = step + 1, {}
-    run["step"] = done
-    # Out of time: this step is the run's last, as if it were num_steps.
-    last = done == end or (deadline is not None and _past(deadline, done, tc.log_every))
-    eval_now = evaluating and (done % tc.eval_every == 0 or last)
-    if done % tc.log_every == 0 or last or eval_now:
-      # An eval step off the log cadence logs its training row too.
-      now = time.perf_counter()
-      row = _train_row(m, meta, bs, (done - s_last) / max(now - t_last, 1e-9))
-      row["mask_rows"] = meta["mask_rows"]
-      t_last, s_last = now, done
-      bar.set_postfix(loss=f"{row['loss']:.3f}", tau=f"{row['tau']:.2f}")
-    if eval_now:
-      ev = _evaluate(eval_step, scored_params(state), target_params, eval_packer, mesh, tc)
-      if state.ema is not None:
-        raw = _evaluate(eval_step, state.params, target_params, eval_packer, mesh, tc)
-        ev.update(raw_eval_tau=raw["eval_tau"], raw_eval_loss=raw["eval_loss"])
-      if variant_packer is not None:
-        var = _evaluate(eval_step, scored_params(state), target_params, variant_packer,
-                        mesh, tc)
-        ev.update(variant_eval_tau=var["eval_tau"], variant_eval_loss=var["eval_loss"])
-      if blind_packer is not None:
-        blind = _evaluate(eval_step, scored_params(state), target_params, blind_packer,
+  # A signal (Ctrl-C, a scheduler's SIGTERM) is held back to the end of the
+  # step it comes in: the step is logged and saved, then the run stops there.
+  with run_control.held():
+    for step in range(start, end):
+      state, m = train_step(state, target_params, batch)
+      # The step runs asynchronously: assemble the next batch meanwhile (with
+      # cached K/V, reads from the memory-mapped cache), then wait for it.
+      batch = put(step + 1) if step + 1 < end else None
+      m = jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), m)
+      meta["tokens_seen"] += int(m["tokens"])
+      meta["mask_rows"] += rows_per_step
+      done, row = step + 1, {}
+      # Out of time: this step is the run's last, as if it were num_steps.
+      last = done == end or (deadline is not None and _past(deadline, done, tc.log_every))
+      diverged = _diverged(m)
+      eval_now = evaluating and (done % tc.eval_every == 0 or last) and not diverged
+      if done % tc.log_every == 0 or last or eval_now or diverged:
+        # An eval step off the log cadence logs its training row too.
+        now = time.perf_counter()
+        row = _train_row(m, meta, bs, (done - s_last) / max(now - t_last, 1e-9))
+        row["mask_rows"] = meta["mask_rows"]
+        t_last, s_last = now, done
+        bar.set_postfix(loss=f"{row['loss']:.3f}", tau=f"{row['tau']:.2f}")
+      if diverged:
+        log.write(done, row)
+        raise _divergence(diverged, done, mngr, workdir, tc)
+      run["step"] = done
+      if eval_now:
+        ev = _evaluate(eval_step, scored_params(state), target_params, eval_packer, mesh, tc)
+        if state.ema is not None:
+          raw = _evaluate(eval_step, state.params, target_params, eval_packer, mesh, tc)
+          ev.update(raw_eval_tau=raw["eval_tau"], raw_eval_loss=raw["eval_loss"])
+        if variant_packer is not None:
+          var = _evaluate(eval_step, scored_params(state), target_params, variant_packer,
                           mesh, tc)
-        ev.update(blind_eval_tau=blind["eval_tau"], blind_eval_loss=blind["eval_loss"])
-      row.update(ev)
-      if _score(ev) > meta["best_tau"]:
-        meta["best_tau"], meta["best_step"] = _score(ev), done
-        with run_control.critical():  # not cut between its two renames
-          _export(os.path.join(workdir, "best_drafter"), config, state, target,
-                  record(), is_main, fixed)
-      more = (f"; trained weights {ev['raw_eval_tau']:.3f}" if state.ema is not None
-              else "")
-      if variant_packer is not None:
-        more += f"; prompt variants {ev['variant_eval_tau']:.3f}"
-      if blind_packer is not None:
-        more += f"; blind (parallel mode) {ev['blind_eval_tau']:.3f}"
-      bar.write(f"step {done}: eval tau {ev['eval_tau']:.3f} loss {ev['eval_loss']:.3f} "
-                f"(best {meta['best_tau']:.3f} @ {meta['best_step']}){more}")
-    if row:
-      log.write(done, row)
-    if done % tc.ckpt_every == 0 or last:
-      with run_control.critical():  # a stop then waits for this save to finish
-        mngr.save(done, args=ocp.args.Composite(
-            state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(dict(meta))))
-    bar.update(1)
-    if last and done < end:
-      bar.write(f"train: stopping at step {done} after train.max_minutes="
-                f"{tc.max_minutes} (rerun to resume)")
-      break
+          ev.update(variant_eval_tau=var["eval_tau"], variant_eval_loss=var["eval_loss"])
+        if blind_packer is not None:
+          blind = _evaluate(eval_step, scored_params(state), target_params, blind_packer,
+                            mesh, tc)
+          ev.update(blind_eval_tau=blind["eval_tau"], blind_eval_loss=blind["eval_loss"])
+        row.update(ev)
+        if _score(ev) > meta["best_tau"]:
+          _check_finite(state, done, mngr, workdir, tc)
+          meta["best_tau"], meta["best_step"] = _score(ev), done
+          with run_control.critical():  # not cut between its two renames
+            _export(os.path.join(workdir, "best_drafter"), config, state, target,
+                    record(), is_main, fixed)
+        more = (f"; trained weights {ev['raw_eval_tau']:.3f}" if state.ema is not None
+                else "")
+        if variant_packer is not None:
+          more += f"; prompt variants {ev['variant_eval_tau']:.3f}"
+        if blind_packer is not None:
+          more += f"; blind (parallel mode) {ev['blind_eval_tau']:.3f}"
+        bar.write(f"step {done}: eval tau {ev['eval_tau']:.3f} loss {ev['eval_loss']:.3f} "
+                  f"(best {meta['best_tau']:.3f} @ {meta['best_step']}){more}")
+      if row:
+        log.write(done, row)
+      save = lambda: mngr.save(done, args=ocp.args.Composite(
+          state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(dict(meta))))
+      periodic = done % tc.ckpt_every == 0 or last
+      if periodic:
+        _check_finite(state, done, mngr, workdir, tc)
+        with run_control.critical():  # a stop then waits for this save to finish
+          save()
+      # A signal held since the step began (or during its save), or (several
+      # processes) orbax's preemption point: every process stops after the
+      # same step, saved and in the log.
+      stop = _stop_requested(mngr, done, tc.log_every)
+      if stop and not periodic:
+        if not row:
+          row = _train_row(m, meta, bs, (done - s_last) / max(time.perf_counter() - t_last,
+                                                               1e-9))
+          log.write(done, dict(row, mask_rows=meta["mask_rows"]))
+        _check_finite(state, done, mngr, workdir, tc)
+        save()
+      bar.update(1)
+      if stop:
+        raise run_control.stop(stop)
+      if last and done < end:
+        bar.write(f"train: stopping at step {done} after train.max_minutes="
+                  f"{tc.max_minutes} (rerun to resume)")
+        break
   bar.close()
   mngr.wait_until_finished()
   mngr.close()
@@ -409,6 +439,61 @@ def _train(config, workdir: str, t_begin: float, run: dict) -> TrainResult:
     with open(os.path.join(workdir, "summary.json"), "w") as f:
       json.dump(summary, f, indent=1)
   return TrainResult(summary, final.params)
+
+
+def _diverged(m) -> str:
+  """What is not finite in a step's metrics ("" when all is well): a loss or
+  gradient norm that is NaN or infinite means the update just made has
+  spoilt the weights."""
+  loss, gnorm = float(m["loss"]), float(m["grad_norm"])
+  if np.isfinite(loss) and np.isfinite(gnorm):
+    return ""
+  return f"loss {loss:g}, grad norm {gnorm:g}"
+
+
+@jax.jit
+def _all_finite(tree) -> jax.Array:
+  return jnp.all(jnp.asarray([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
+
+
+def _check_finite(state: TrainState, step: int, mngr, workdir: str, tc) -> None:
+  """Before weights are kept (a checkpoint, best_drafter): the trained
+  weights and their average must be finite, else the run stops in one line."""
+  if not bool(_all_finite((state.params, state.ema))):
+    raise _divergence("the weights are no longer finite", step, mngr, workdir, tc)
+
+
+def _divergence(what: str, step: int, mngr, workdir: str, tc) -> FlexDraftError:
+  """The one line of a run whose training went non-finite. Nothing
+  non-finite is ever saved, so the latest checkpoint is the last finite one."""
+  with contextlib.suppress(Exception):
+    mngr.wait_until_finished()
+  latest = mngr.latest_step()
+  ckpt = os.path.join(os.path.abspath(workdir), "ckpt")
+  kept = (f"checkpoint {latest} in {ckpt} is the last finite one (a rerun resumes there)"
+          if latest else "there is no checkpoint yet (a rerun starts over)")
+  return FlexDraftError(f"training diverged at step {step} ({what}); nothing non-finite "
+                        f"was saved and {kept}: lower --config.train.lr (now {tc.lr:g}) "
+                        "and rerun")
+
+
+def _stop_requested(mngr, step: int, every: int):
+  """The signal to stop on after `step` (which is then saved), or None: one
+  held back during the step, or orbax's preemption sync point (JAX's
+  preemption service, several processes: a SIGTERM on any one stops them
+  all after the same step). Several processes agree on a signal one of them
+  holds every `every` steps, as `_past` does on the clock."""
+  import signal
+  if mngr.reached_preemption(step):
+    return signal.SIGTERM
+  if jax.process_count() == 1:
+    return run_control.pending()
+  if step % every:
+    return None
+  from jax.experimental import multihost_utils
+  held = np.int32(run_control.pending() or 0)
+  agreed = int(multihost_utils.process_allgather(held).max())
+  return agreed or None
 
 
 def _score(ev: dict) -> float:
