@@ -73,3 +73,26 @@ def test_shipped_drafter_drafts_losslessly(smollm2_target):
   assert os.path.getsize(os.path.join(resolve_path(SHIPPED_DRAFTER),
                                       "params.safetensors")) <= 50e6
 
+
+
+@pytest.mark.slow
+def test_draft_trees_decode_losslessly(smollm2_target):
+  """Draft trees with the shipped drafter on a math, a code and a chat prompt:
+  sequential steps verifying trees (and flex weighing them) decode exactly what
+  AR does, and a tree accepts more a step than the chain."""
+  from flexdraft_jax.evaluation.plan import resolve_path
+  from flexdraft_jax.evaluation.sweep import SHIPPED_DRAFTER
+  drafter = fd.load_drafter(resolve_path(SHIPPED_DRAFTER), smollm2_target)
+  prompts = [PROMPTS[2], "Complete this Python function:\n\ndef fib(n):\n    \"\"\"Return "
+             "the n-th Fibonacci number.\"\"\"\n", "Tell me about your favourite season."]
+  ids = [smollm2_target.tokenizer.apply_chat_template(p) for p in prompts]
+  ref = fd.generate(smollm2_target, ids, max_new_tokens=MAX_NEW)
+  kw = dict(max_new_tokens=MAX_NEW, drafter=drafter)
+  chain = fd.generate(smollm2_target, ids, mode="sequential", **kw)
+  for mode, budget in (("sequential", 32), ("flex", 16)):
+    out = fd.generate(smollm2_target, ids, mode=mode, **kw, speculation=fd.SpecOptions(
+        tree_budget=budget, cost_cache=None))
+    for x, a, b in zip(ids, ref.token_ids, out.token_ids):
+      assert _agree(smollm2_target, x, a, b), (mode, budget)
+    if mode == "sequential":
+      assert out.stats["tau"] > chain.stats["tau"], (out.stats["tau"], chain.stats["tau"])

@@ -315,13 +315,18 @@ def _cached(cache, key, trees: tuple, make):
   return hit[1]
 
 
+def spare_positions(bs: int, tree_budget=None) -> int:
+  """Cache slots a request needs past its last token: two draft blocks, or a
+  draft tree's nodes where that is more."""
+  return max(2 * bs, tree_budget or 0) + 1
+
+
 def _capacity(cfg, plens, max_new, bs, max_len, tree_budget=0):
   """The KV-cache length: `max_len` (rounded up to KV_BLOCK) or what the
   request needs. The model's context bounds prompt + new tokens either way; a
   `max_len` too short for the request is an error, never silently enlarged."""
   longest = max(plens)
-  # + room for two draft blocks past the end (a draft tree's nodes, if more)
-  spare = max(2 * bs, tree_budget or 0) + 1
+  spare = spare_positions(bs, tree_budget)
   need = longest + max_new + spare
   if max_len is not None and longest + 1 > max_len:
     raise FlexDraftError(f"a prompt has {longest} tokens, longer than the cache "

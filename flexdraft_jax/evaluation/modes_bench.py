@@ -32,6 +32,7 @@ import statistics
 import time
 from typing import Callable, Optional, Sequence
 
+from flexdraft_jax.decoding.engine import spare_positions
 from flexdraft_jax.decoding.options import TREE, Mode, RuntimeOptions, SpecOptions
 from flexdraft_jax.evaluation import benchmarks
 from flexdraft_jax.evaluation.cells import check_lossless
@@ -154,7 +155,8 @@ def run(target, drafter, prompts: Sequence, *, batch_sizes: Sequence[int],
         continue
     ids = [list(p) for p in prompts[:b * batches]]
     # one cache length for every batch of this size: one compiled shape per setting
-    max_len = max(len(p) for p in ids) + max_new_tokens + 2 * block + 1
+    max_len = max(len(p) for p in ids) + max_new_tokens + spare_positions(
+        block, max((s.tree_budget or 0) for s in settings))
     start = time.monotonic()
     row = bench_batch(target, drafter, ids, b, settings, max_new_tokens=max_new_tokens,
                       repeats=repeats, max_len=max_len, attn_impl=attn_impl,
