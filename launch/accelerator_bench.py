@@ -42,8 +42,12 @@ flags.DEFINE_string("drafter", "flexdraft_jax/drafters/smollm2_135m_L8",
                     "drafter directory; empty: a random drafter (smoke runs)")
 flags.DEFINE_list("batch_sizes", ["1", "2", "4", "8", "16"], "batch sizes")
 flags.DEFINE_list("fixed", ["parallel:2", "parallel:4", "parallel:8", "sequential:2",
-                            "sequential:4", "sequential:8"],
-                  "fixed MODE:K settings (k beyond the drafter's block are left out)")
+                            "sequential:4", "sequential:8", "tree:16", "tree:64",
+                            "tree:256"],
+                  "fixed MODE:K settings (k beyond the drafter's block are left out), "
+                  "and tree:N (sequential steps verifying draft trees of N nodes)")
+flags.DEFINE_list("flex_trees", ["64"], "draft-tree budgets N: a flex setting with "
+                  "speculation.tree_budget=N each (\"flex+tree:N\")")
 flags.DEFINE_integer("max_new_tokens", 128, "new tokens per row (stops off)", lower_bound=1)
 flags.DEFINE_integer("repeats", 3, "timed rounds per batch size", lower_bound=1)
 flags.DEFINE_integer("batches", 1, "batches per batch size", lower_bound=1)
@@ -124,7 +128,8 @@ def main(argv):
     target = fd.load_target(FLAGS.target, layout="layers")
     drafter, note = modes_bench.load_drafter(FLAGS.drafter, target)
     settings, dropped = modes_bench.fit_settings(
-        modes_bench.default_settings(modes_bench.parse_fixed(FLAGS.fixed)),
+        modes_bench.default_settings(modes_bench.parse_fixed(FLAGS.fixed),
+                                     flex_trees=[int(n) for n in FLAGS.flex_trees]),
         drafter.config.block_size)
     sizes = [int(b) for b in FLAGS.batch_sizes]
     prompts = modes_bench.gsm8k_prompts(target, FLAGS.data_dir or data_root(),

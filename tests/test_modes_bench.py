@@ -27,7 +27,8 @@ def test_accelerator_bench_writes_lossless_positive_tables(tmp_path):
   env = dict(os.environ, XLA_FLAGS="--xla_backend_optimization_level=0")
   cmd = [sys.executable, "launch/accelerator_bench.py", f"--out_dir={out}", "--minutes=3",
          "--target=random:tiny", "--drafter=", "--batch_sizes=1,2",
-         "--fixed=parallel:2,sequential:2,sequential:8", "--max_new_tokens=8",
+         "--fixed=parallel:2,sequential:2,sequential:8,tree:8,tree:256",
+         "--flex_trees=16", "--max_new_tokens=8",
          "--repeats=1", f"--data_dir={data}", "--kernel_models=smollm2_135m",
          "--kernel_batches=1", "--kernel_groups=0,2", "--kernel_cache=64",
          "--kernel_commit=20", "--kernel_block=4", "--kernel_iters=1"]
@@ -49,7 +50,9 @@ def test_accelerator_bench_writes_lossless_positive_tables(tmp_path):
   assert [r["batch_size"] for r in rows] == [1, 2]
   for r in rows:
     assert r["lossless"] and r["timed_rounds"] == 1
-    assert set(r["settings"]) == {"ar", "flex", "parallel:2", "sequential:2"}
+    assert set(r["settings"]) == {"ar", "flex", "flex+tree:16", "parallel:2",
+                                  "sequential:2", "tree:8", "tree:256"}
+    assert r["settings"]["tree:256"]["tree_budget"] == 256
     for x in r["settings"].values():
       assert x["lossless"]
       assert all(map(_positive, (x["median"], x["best"], x["e2e_median"], x["over_ar"],
@@ -67,7 +70,8 @@ def test_accelerator_bench_writes_lossless_positive_tables(tmp_path):
 
   lines = md.splitlines()
   table = [ln for ln in lines if ln.startswith("| 1 |") or ln.startswith("| 2 |")]
-  assert len(table) == 3 * 2  # throughput, τ and cost-model rows of batches 1 and 2
+  # throughput, τ, and two flex settings' cost-model rows of batches 1 and 2
+  assert len(table) == 4 * 2
   throughput = [ln for ln in table if ln.endswith("| yes |")]
   assert len(throughput) == 2
   assert "| smollm2_135m | 1 | 2 | 12 |" in md

@@ -176,9 +176,9 @@ def test_tree_budget_bad_inputs(target):
   with pytest.raises(fd.FlexDraftError, match="runs in mode 'sequential' or 'flex'"):
     fd.generate(target, [[3, 4]], drafter=drafter, mode="parallel",
                 speculation=fd.SpecOptions(tree_budget=8))
-  with pytest.raises(fd.FlexDraftError, match="exceeds the 97 nodes"):
-    fd.generate(target, [[3, 4]], drafter=drafter, mode="sequential",
-                speculation=fd.SpecOptions(tree_budget=98))
+  with pytest.raises(fd.FlexDraftError, match="exceeds the 33 nodes"):
+    fd.generate(target, [[3, 4]], drafter=random_drafter(target, block_size=2),
+                mode="sequential", speculation=fd.SpecOptions(tree_budget=34))
   with pytest.raises(fd.FlexDraftError, match="turn sampling.draft_sampling off"):
     fd.generate(target, [[3, 4]], drafter=drafter, mode="sequential",
                 sampling=fd.SamplingParams(temperature=1.0, draft_sampling=True),

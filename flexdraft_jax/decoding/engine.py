@@ -196,7 +196,8 @@ def _tree_top(drafter: Optional[Drafter], mode: Mode, so: SpecOptions,
                          f"{python_name('draft_sampling')} off")
   dcfg = drafter.config
   top = min(dcfg.rescore_top, dcfg.draft_vocab or vocab_size)
-  most = 1 + (dcfg.block_size - 1) * top
+  # the root, and every path of 1 .. block - 1 candidates
+  most = 1 + sum(top ** d for d in range(1, dcfg.block_size))
   if so.tree_budget > most:
     raise FlexDraftError(f"{python_name('tree_budget')}={so.tree_budget} exceeds the "
                          f"{most} nodes this drafter's block can fill (block "
