@@ -205,7 +205,7 @@ def test_large_seeds_decode_every_batch(target):
 
 
 @pytest.mark.parametrize("command", sorted(COMMANDS))
-def test_every_command_help_exits_0(command, capsys):
+def test_every_command_help_exits_0(command, capsys, absl_flags_restored):
   """absl exits 1 after printing the help; asked for it, a command exits 0."""
   module = importlib.import_module(COMMANDS[command])
   code = 0

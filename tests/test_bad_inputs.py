@@ -361,7 +361,8 @@ def _fill(x, d, ro):
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if "argv" in c], ids=_id)
-def test_cli_bad_input_prints_one_line(case, bad_files, monkeypatch, capsys):
+def test_cli_bad_input_prints_one_line(case, bad_files, monkeypatch, capsys,
+                                       absl_flags_restored):
   d, ro = bad_files
   monkeypatch.setenv("FLEXDRAFT_COST_CACHE", "")
   if not case["model"]:
