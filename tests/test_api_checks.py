@@ -116,6 +116,8 @@ def test_loaders_refuse_wrong_types(target, tmp_path):
        "floating-point dtype such as 'float32' or 'bfloat16', got str 'int32'"),
       (lambda: fd.load_target("random:tiny", dtype=32), "dtype must be a floating-point "
        "dtype such as 'float32' or 'bfloat16', got int 32"),
+      (lambda: fd.load_target("random:tiny", layout=["layers"]), "layout must be one of "
+       "('stacked', 'layers'), got list ['layers']"),
       (lambda: fd.load_drafter(123, target), "path must be a drafter folder (str), got int 123"),
       (lambda: fd.load_drafter("d", {"config": 1}), "target must be a Target (from "
        "fd.load_target(path)), got dict {'config': 1}"),
@@ -186,6 +188,14 @@ def test_seed_keys_are_jax_keys_for_ordinary_seeds_and_use_all_64_bits():
   np.testing.assert_array_equal(engine.seed_key(-1), engine.seed_key(2 ** 64 - 1))
   np.testing.assert_array_equal(engine.seed_key(2 ** 64 - 1, 1), engine.seed_key(0))
   assert not np.array_equal(engine.seed_key(5), engine.seed_key(2 ** 32 + 5))
+  impl = jax.config.jax_default_prng_impl
+  jax.config.update("jax_default_prng_impl", "rbg")  # another key layout: the same rules
+  try:
+    np.testing.assert_array_equal(engine.seed_key(3, 2), jax.random.PRNGKey(5))
+    assert engine.seed_key(2 ** 63 - 1, 1).shape == jax.random.PRNGKey(0).shape == (4,)
+    assert not np.array_equal(engine.seed_key(5), engine.seed_key(2 ** 32 + 5))
+  finally:
+    jax.config.update("jax_default_prng_impl", impl)
 
 
 def test_large_seeds_decode_every_batch(target):

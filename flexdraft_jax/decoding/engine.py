@@ -14,10 +14,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from flexdraft_jax import checks
 from flexdraft_jax.decoding import flex, memory_maps, sharding, timing
 from flexdraft_jax.decoding.chunk import prefill_batch
 from flexdraft_jax.decoding.driver import Driver
-from flexdraft_jax import checks
 from flexdraft_jax.decoding.options import (Mode, RuntimeOptions, SpecOptions,
                                             check_keywords, check_options, check_prompts,
                                             check_stop, ignored_options, python_name)
@@ -181,7 +181,10 @@ def seed_key(seed: int, offset: int = 0) -> jax.Array:
   from; beyond, `PRNGKey` (without 64-bit ints) would keep only the low 32
   bits, and seeds 5 and 2**32 + 5 would draw alike."""
   u = (int(seed) + offset) % 2 ** 64
-  return jnp.asarray(np.array([u >> 32, u & 0xFFFFFFFF], np.uint32))
+  if jax.config.jax_default_prng_impl != "threefry2x32":  # keys of another layout
+    key = jax.random.PRNGKey(u & 0xFFFFFFFF)
+    return jax.random.fold_in(key, u >> 32) if u >> 32 else key
+  return jnp.asarray(np.array([u >> 32, u & 0xFFFFFFFF], np.uint32))  # PRNGKey's layout
 
 
 def _speculative_drafter(drafter: Drafter, target, mode: Mode, so: SpecOptions,

@@ -131,10 +131,11 @@ def python_name(name: str) -> str:
   return name
 
 
-# What generate() took before the option groups: each option as a keyword.
-# Given now, they get a line naming the group that holds them.
-_LOADERS = {"sampling": "fd.SamplingParams", "speculation": "fd.SpecOptions",
-            "runtime": "fd.RuntimeOptions"}
+# Each option group as a line spells its constructor. generate() took every
+# option as a keyword before the groups; such a keyword gets a line naming
+# the group that holds it now (check_keywords).
+_GROUP_CALLS = {"sampling": "fd.SamplingParams", "speculation": "fd.SpecOptions",
+                "runtime": "fd.RuntimeOptions"}
 SEED_RANGE = (-2 ** 63, 2 ** 64)  # the seeds that fit 64 bits, signed or not
 
 
@@ -155,7 +156,7 @@ def check_keywords(unknown: dict, accepted, where: str = "generate()") -> None:
                            + (f" (did you mean {near[0]}=?)" if near else "")
                            + f"; it takes {', '.join(accepted)}")
     by_group.setdefault(group, []).append(f"{key}={checks.shown(value)}")
-  parts = [f"{g} options in {g}={_LOADERS[g]}({', '.join(kw)})" for g, kw in by_group.items()]
+  parts = [f"{g} options in {g}={_GROUP_CALLS[g]}({', '.join(kw)})" for g, kw in by_group.items()]
   spelled = " and ".join([", ".join(parts[:-1]), parts[-1]] if len(parts) > 2 else parts)
   old = ", ".join(f"{k}=" for k in unknown)
   raise FlexDraftError(f"{where} takes {spelled}, not {old}")
@@ -232,7 +233,7 @@ def check_options(*, mode="ar", max_new_tokens=128, sampling=SamplingParams(),
   for (name, cls), value in zip(GROUPS, (sampling, speculation, runtime)):
     if not isinstance(value, cls):
       raise FlexDraftError(f"{name} must be a {cls.__name__}, got "
-                           f"{type(value).__name__} {value!r} (e.g. {name}={cls.__name__}())")
+                           f"{checks.describe(value)} (e.g. {name}={cls.__name__}())")
   check_stop(stop)
   checks.check_bool("chat", chat)
   check_seed(seed)

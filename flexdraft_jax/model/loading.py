@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from flexdraft_jax import checks
 from flexdraft_jax.model.config import FlexDraftError, ModelConfig, Target  # noqa: F401
 from flexdraft_jax.model.tokenizer import Tokenizer
-from flexdraft_jax.model.weights import fingerprint
+from flexdraft_jax.model.weights import check_layout, fingerprint
 
 # builtin name -> (pip distribution, importable package, file inside the package)
 BUILTINS = {
@@ -102,6 +102,7 @@ def load_target(spec: str, dtype="float32", layout: str = "stacked") -> Target:
   """
   checks.check_path("spec", spec, "a model folder, a .gguf file or a builtin name (str)")
   _check_dtype(dtype)
+  check_layout(layout)
   if isinstance(spec, str) and spec.startswith("random:"):
     from flexdraft_jax.model import random_target
     return random_target.load(spec, dtype, layout)
