@@ -26,7 +26,14 @@ def load_target(spec: str, dtype: str = "float32", layout: str = "stacked"):
   weights once, where a "stacked" target (what training needs) also gets a
   per-layer copy the first time it decodes.
   """
+  from flexdraft_jax.drafter.checkpoint import drafter_folder_target
   from flexdraft_jax.model import loading
+  made_for = drafter_folder_target(spec)
+  if made_for is not None:
+    raise FlexDraftError(
+        f"{spec} is a drafter folder (it holds drafter.json), not a target: load it with "
+        f"fd.load_drafter({str(spec)!r}, target), the target from fd.load_target("
+        f"{made_for or 'TARGET'!r})")
   return loading.load_target(spec, dtype, layout)
 
 

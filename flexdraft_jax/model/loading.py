@@ -107,13 +107,6 @@ def load_target(spec: str, dtype="float32", layout: str = "stacked") -> Target:
     from flexdraft_jax.model import random_target
     return random_target.load(spec, dtype, layout)
   spec = os.path.expanduser(os.fspath(spec))
-  from flexdraft_jax.drafter.checkpoint import drafter_folder_target
-  made_for = drafter_folder_target(spec)
-  if made_for is not None:
-    raise FlexDraftError(
-        f"{spec} is a drafter folder (it holds drafter.json), not a target: load it with "
-        f"fd.load_drafter({spec!r}, target), the target from fd.load_target("
-        f"{made_for or 'TARGET'!r})")
   kind, path, name = _resolve(spec)
   dtype = jnp.dtype(dtype)
   if kind == "hf":
