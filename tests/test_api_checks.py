@@ -169,9 +169,16 @@ def test_keywords_of_several_groups_and_unknown_keywords(target):
     fd.generate(target, [[3]], temperature=0.7, top_k=4, batch_size=2, verify_len=3)
   assert str(e.value) == (
       "generate() takes sampling options in sampling=fd.SamplingParams(temperature=0.7, "
-      "top_k=4), runtime options in runtime=fd.RuntimeOptions(batch_size=2) and speculation "
-      "options in speculation=fd.SpecOptions(verify_len=3), not temperature=, top_k=, "
+      "top_k=4), speculation options in speculation=fd.SpecOptions(verify_len=3) and runtime "
+      "options in runtime=fd.RuntimeOptions(batch_size=2), not temperature=, top_k=, "
       "batch_size=, verify_len=")
+  # with the group's object given too, the spelling keeps the fields it sets
+  with pytest.raises(fd.FlexDraftError) as e:
+    fd.generate(target, [[3]], sampling=fd.SamplingParams(top_p=0.9), temperature=0.7,
+                runtime=fd.RuntimeOptions(max_len=64))
+  assert str(e.value) == (
+      "generate() takes sampling options in sampling=fd.SamplingParams(top_p=0.9, "
+      "temperature=0.7), not temperature=")
   with pytest.raises(fd.FlexDraftError) as e:
     fd.generate(target, [[3]], max_new_token=3)
   assert str(e.value) == (

@@ -118,7 +118,8 @@ def generate(target, prompts: Sequence, *, drafter: Optional[Drafter] = None,
   Every argument's type is checked first (checks.py); a keyword of the earlier
   API (`temperature=`, `batch_size=`, …) gets a line naming its option group.
   """
-  check_keywords(unknown, _ARGS)
+  check_keywords(unknown, _ARGS, dict(sampling=sampling, speculation=speculation,
+                                      runtime=runtime))
   checks.check_loaded("target", target, Target, "fd.load_target({})")
   for name, value in (("drafter", drafter), ("parallel_drafter", parallel_drafter)):
     if value is not None:

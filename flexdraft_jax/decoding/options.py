@@ -139,14 +139,21 @@ _GROUP_CALLS = {"sampling": "fd.SamplingParams", "speculation": "fd.SpecOptions"
 SEED_RANGE = (-2 ** 63, 2 ** 64)  # the seeds that fit 64 bits, signed or not
 
 
-def check_keywords(unknown: dict, accepted, where: str = "generate()") -> None:
+def check_keywords(unknown: dict, accepted, groups=None, where: str = "generate()") -> None:
   """Refuses keywords `generate` does not take (it takes `accepted`): those of
   its earlier API (one per option, now in the option groups) get their new
-  spelling, e.g. `sampling=fd.SamplingParams(temperature=0.7)`; others the
-  closest it takes."""
+  spelling, e.g. `sampling=fd.SamplingParams(temperature=0.7)`, with the
+  fields set in the group objects also given (`groups`: {name: object});
+  others the closest keyword it takes."""
   if not unknown:
     return
   by_group = {}
+  for name, cls in GROUPS:  # the fields the caller set already, in the group's object
+    given = (groups or {}).get(name)
+    if isinstance(given, cls) and any(f.name in unknown for f in dataclasses.fields(cls)):
+      by_group[name] = [f"{f.name}={checks.shown(getattr(given, f.name))}"
+                        for f in dataclasses.fields(cls)
+                        if f.name not in unknown and getattr(given, f.name) != f.default]
   for key, value in unknown.items():
     group = next((g for g, cls in GROUPS
                   if key in {f.name for f in dataclasses.fields(cls)}), None)
@@ -156,7 +163,8 @@ def check_keywords(unknown: dict, accepted, where: str = "generate()") -> None:
                            + (f" (did you mean {near[0]}=?)" if near else "")
                            + f"; it takes {', '.join(accepted)}")
     by_group.setdefault(group, []).append(f"{key}={checks.shown(value)}")
-  parts = [f"{g} options in {g}={_GROUP_CALLS[g]}({', '.join(kw)})" for g, kw in by_group.items()]
+  parts = [f"{g} options in {g}={_GROUP_CALLS[g]}({', '.join(kw)})"
+           for g, kw in by_group.items() if kw]
   spelled = " and ".join([", ".join(parts[:-1]), parts[-1]] if len(parts) > 2 else parts)
   old = ", ".join(f"{k}=" for k in unknown)
   raise FlexDraftError(f"{where} takes {spelled}, not {old}")
