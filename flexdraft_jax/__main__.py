@@ -20,9 +20,10 @@ COMMANDS = {
 
 def main():
   if len(sys.argv) < 2 or sys.argv[1] not in COMMANDS:
+    asked = sys.argv[1:] in (["--help"], ["-h"])
     print(f"usage: python -m flexdraft_jax {{{','.join(COMMANDS)}}} [flags]; "
-          "add --help after a command for its flags", file=sys.stderr)
-    sys.exit(2)
+          "add --help after a command for its flags", file=sys.stdout if asked else sys.stderr)
+    sys.exit(0 if asked else 2)
   command = sys.argv[1]
   module = importlib.import_module(COMMANDS[command])
   module.run([f"flexdraft_jax {command}"] + sys.argv[2:])

@@ -8,11 +8,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from flexdraft_jax import checks
 from flexdraft_jax.decoding.engine import GenerateResult, generate  # noqa: F401
 from flexdraft_jax.decoding.options import Mode, RuntimeOptions, SpecOptions  # noqa: F401
 from flexdraft_jax.decoding.sampling import SamplingParams  # noqa: F401
 from flexdraft_jax.model import transformer
-from flexdraft_jax.model.config import FlexDraftError
+from flexdraft_jax.model.config import FlexDraftError, Target
 
 
 def load_target(spec: str, dtype: str = "float32", layout: str = "stacked"):
@@ -25,12 +26,20 @@ def load_target(spec: str, dtype: str = "float32", layout: str = "stacked"):
   weights once, where a "stacked" target (what training needs) also gets a
   per-layer copy the first time it decodes.
   """
+  from flexdraft_jax.drafter.checkpoint import drafter_folder_target
   from flexdraft_jax.model import loading
+  made_for = drafter_folder_target(spec)
+  if made_for is not None:
+    raise FlexDraftError(
+        f"{spec} is a drafter folder (it holds drafter.json), not a target: load it with "
+        f"fd.load_drafter({str(spec)!r}, target), the target from fd.load_target("
+        f"{made_for or 'TARGET'!r})")
   return loading.load_target(spec, dtype, layout)
 
 
 def load_drafter(path: str, target):
-  """A Drafter saved by training, checked against `target` (one-line refusal)."""
+  """A Drafter saved by training, checked against `target` (a loaded Target,
+  from `load_target`); one-line refusal."""
   from flexdraft_jax.drafter import checkpoint
   return checkpoint.load_drafter(path, target)
 
@@ -43,6 +52,7 @@ def _logits(params, ids_BxT, *, cfg):
 
 def target_logits(target, token_ids) -> jax.Array:
   """Full-sequence fp32 logits `[B, T, V]` for int ids `[B, T]` (no cache reuse)."""
+  checks.check_loaded("target", target, Target, "fd.load_target({})")
   ids = np.asarray(token_ids)
   if ids.ndim != 2 or not np.issubdtype(ids.dtype, np.integer):
     raise FlexDraftError(f"token_ids must be an int array [B, T], got shape "

@@ -191,10 +191,10 @@ def _main(rest) -> int:
   if not prompts:
     raise FlexDraftError("no prompts: pass --prompt TEXT or --prompts-file F.jsonl")
   # Every check that needs no model runs before the (slow) model load.
-  names = OPTION_FLAGS + ("max_new_tokens", "stop")
+  names = OPTION_FLAGS + ("max_new_tokens", "stop", "seed")
   try:
     kw = _options(args)
-    mode = options.check_options(**kw)
+    mode = options.check_options(**kw, seed=args.seed)
   except FlexDraftError as e:
     raise FlexDraftError(_flag_names(str(e), names)) from None
   if mode != options.Mode.AR:
@@ -208,7 +208,14 @@ def _main(rest) -> int:
       mode=kw["mode"], sampling=kw["sampling"], speculation=kw["speculation"],
       drafter=args.drafter, parallel_drafter=args.parallel_drafter, spell=_flag):
     print(f"warning: {line}", file=sys.stderr)
+  from flexdraft_jax.drafter.checkpoint import drafter_folder_target
   from flexdraft_jax.model import loading
+  made_for = drafter_folder_target(args.model)
+  if made_for is not None:
+    raise FlexDraftError(f"--model {args.model} is a drafter folder (it holds drafter.json), "
+                         f"not a target: pass it as --drafter {args.model}, with --model the "
+                         "target it was made for" + (f" ({made_for})" if made_for else "")
+                         + " and a speculative --mode (flex, say)")
   if not loading.has_tokenizer(args.model):
     raise FlexDraftError(f"--model {args.model} has no tokenizer.json, and prompts on the "
                          "command line are text: add the tokenizer, or pass token ids "

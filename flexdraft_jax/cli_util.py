@@ -46,14 +46,22 @@ def run_main(main, argv, doc: str = "", key_flags=("config", "workdir")):
     sys.exit(1)
 
 
+HELP_FLAGS = ("--help", "-?", "--helpshort", "--helpfull", "--helpxml")
+
+
 def _parse_flags(argv):
-  """absl's flag parsing; a flag it refuses is one line (`error: …`), exit 1."""
+  """absl's flag parsing; a flag it refuses is one line (`error: …`), exit 1.
+  Asked for help, absl prints the usage and exits 1; here that is exit 0."""
   from absl import flags
   try:
     return flags.FLAGS(argv)
   except flags.Error as e:
     print(f"error: {e} (see --help)", file=sys.stderr)
     sys.exit(1)
+  except SystemExit as e:
+    if e.code == 1 and any(a in HELP_FLAGS for a in argv[1:]):
+      sys.exit(0)
+    raise
 
 
 def _config_arg(argv):

@@ -6,13 +6,16 @@
 # usage: bash launch/setup.sh          # what generate, train, eval and the demo need
 #        bash launch/setup.sh --test   # also the test stack (pytest, torch,
 #                                      # transformers, notebook kernels): launch/test.sh
+#        bash launch/setup.sh --help   # this text
 set -euo pipefail
 cd "$(dirname "$0")/.."
 target="."
+usage() { awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; }
 case "${1:-}" in
   --test) target=".[test]" ;;
+  -h|--help) usage; exit 0 ;;
   "") ;;
-  *) echo "setup: unknown argument $1 (use --test or nothing)" >&2; exit 2 ;;
+  *) echo "setup: unknown argument $1 (use --test or nothing; --help for usage)" >&2; exit 2 ;;
 esac
 python -m pip install -q --upgrade pip
 python -m pip install -q -e "$target"

@@ -142,6 +142,21 @@ def smollm2_hf_model(smollm2_target):
   return hf_llama_from_target(smollm2_target)
 
 
+@pytest.fixture
+def absl_flags_restored():
+  """Removes the absl flags a test's in-process command defined (a command
+  defines its flags when it runs): left on the process-wide FLAGS, a later
+  script that defines the same name at import (add-ngram's and a profiler's
+  --top) would fail. Flags that libraries define once, at import, stay."""
+  from absl import flags
+  before = set(flags.FLAGS)
+  yield
+  for name in set(flags.FLAGS) - before:
+    if name in flags.FLAGS and (flags.FLAGS.find_module_defining_flag(name) or ""
+                                ).startswith("flexdraft_jax."):
+      delattr(flags.FLAGS, name)
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _release_compiled_programs():
   """Drops every compiled program after each test module. XLA maps each loaded

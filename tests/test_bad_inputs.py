@@ -37,8 +37,10 @@ def cli(surface, bad, argv, line, model=False):
   return Case(surface=surface, bad=bad, argv=argv, line=line, model=model)
 
 
-def api(bad, call, line, warning=False):
-  return Case(surface="generate()", bad=bad, call=call, line=line, warning=warning)
+def api(bad, call, line, warning=False, surface="generate()"):
+  """`call`: generate()'s arguments (a value, or a function of the tiny target
+  that makes it), or a function of the tiny target that makes the whole call."""
+  return Case(surface=surface, bad=bad, call=call, line=line, warning=warning)
 
 
 CASES = [
@@ -109,6 +111,14 @@ CASES = [
         "error: --max-len=6 is too short: a prompt of 2 tokens + --max-new-tokens=8 needs "
         "13 (with 3 spare positions for the decode steps); raise it, or leave it unset",
         model=True),
+    cli("generate", "`--model` a drafter folder (advised adding a tokenizer)",
+        ["generate", "--model", "{d}/drafter", "--prompt", "hi"],
+        "error: --model {d}/drafter is a drafter folder (it holds drafter.json), not a "
+        "target: pass it as --drafter {d}/drafter, with --model the target it was made for "
+        "(random:tiny:0) and a speculative --mode (flex, say)"),
+    cli("generate", "`--seed 18446744073709551616` (2**64: an OverflowError after decoding)",
+        ["generate", *GEN, "--seed", str(2 ** 64)],
+        "error: --seed must fit 64 bits (-2**63 <= seed < 2**64), got 18446744073709551616"),
     # ------------------------------------------------ generate() in Python ----
     api("`sampling=SamplingParams(temperature=float(\"nan\"))`",
         dict(sampling=lambda t: fd.SamplingParams(temperature=float("nan"))),
@@ -178,6 +188,41 @@ CASES = [
              parallel_drafter=lambda target: _bonus_drafter(target)),
         "mode 'sequential' does not use the parallel drafter (parallel_drafter): only "
         "'parallel' and 'flex' do", warning=True),
+    api("`chat=\"False\"` (a string: turned the chat template on)", dict(chat="False"),
+        "chat must be True or False, got str 'False'"),
+    api("`sampling=SamplingParams(draft_sampling=\"False\")` (taken as true)",
+        dict(sampling=lambda t: fd.SamplingParams(draft_sampling="False")),
+        "draft_sampling must be True or False, got str 'False'"),
+    api("`speculation=SpecOptions(threshold=\"0.5\")` (said `got 0.5`)",
+        dict(speculation=lambda t: fd.SpecOptions(threshold="0.5")),
+        "threshold θ must be in [0, 1], got str '0.5'"),
+    api("`speculation=SpecOptions(cost_cache=123)` (a TypeError after prefill)",
+        dict(speculation=lambda t: fd.SpecOptions(cost_cache=123)),
+        "cost_cache must be a file path, '' or None (the costs in memory only), or "
+        "'default', got int 123"),
+    api("a dict of prompts (decoded its keys)", dict(prompts={"a": "hi"}),
+        "prompts must be a list of strings or of token-id lists, got dict {'a': 'hi'}"),
+    api("a path as the drafter (an AttributeError)",
+        dict(mode="flex", drafter="path/to/drafter"),
+        "drafter must be a loaded Drafter, got str 'path/to/drafter': load it with "
+        "fd.load_drafter('path/to/drafter', target)"),
+    api("a name as the target (an AttributeError)", dict(target="random:tiny"),
+        "target must be a loaded Target, got str 'random:tiny': load it with "
+        "fd.load_target('random:tiny')"),
+    api("`temperature=0.7`, a keyword of the earlier API (a TypeError)",
+        dict(temperature=0.7),
+        "generate() takes sampling options in sampling=fd.SamplingParams(temperature=0.7), "
+        "not temperature="),
+    api("`batch_size=2, max_len=64`, keywords of the earlier API (a TypeError)",
+        dict(batch_size=2, max_len=64),
+        "generate() takes runtime options in runtime=fd.RuntimeOptions(batch_size=2, "
+        "max_len=64), not batch_size=, max_len="),
+    api("`seed=2**64` (an OverflowError)", dict(seed=2 ** 64),
+        "seed must fit 64 bits (-2**63 <= seed < 2**64), got 18446744073709551616"),
+    api("`load_drafter(path, \"random:tiny\")`, a name as the target (an AttributeError)",
+        lambda t: fd.load_drafter("path/to/drafter", "random:tiny"),
+        "target must be a loaded Target, got str 'random:tiny': load it with "
+        "fd.load_target('random:tiny')", surface="load_drafter()"),
     # -------------------------------------------------------------- train ----
     cli("train", "`--workdir` under a file",
         ["train", f"--config={TINY}", "--workdir", "{d}/afile/run"],
@@ -292,6 +337,12 @@ CASES = [
         ["add-ngram", f"--config={TINY}", "--out={d}/notok"],
         "error: --out {d}/notok is a folder that holds no drafter: add-ngram writes a drafter "
         "folder and replaces only an earlier drafter; pass another --out"),
+    cli("add-ngram", "`--grid=abc` (a ValueError)", ["add-ngram", "--grid=abc"],
+        "error: each --grid setting is λ:μ3:μ2, three finite numbers (e.g. "
+        "--grid=0.2:3:2,0.4:3:2), got 'abc'"),
+    cli("add-ngram", "`--grid=0.2:3` (two numbers: a ValueError)", ["add-ngram", "--grid=0.2:3"],
+        "error: each --grid setting is λ:μ3:μ2, three finite numbers (e.g. "
+        "--grid=0.2:3:2,0.4:3:2), got '0.2:3'"),
     # ------------------------------------------------------ self-instruct ----
     cli("self-instruct", "`--out` an existing directory (failed after sampling, left "
         "`DIR.tmp`)", ["self-instruct", f"--config={TINY}", "--num=2", "--out={d}/notok"],
@@ -334,6 +385,8 @@ def bad_files(tmp_path_factory):
   ro.mkdir()
   ro.chmod(0o500)
   tiny.write_fake_regen(str(tmp_path / "regen"), tiny.tiny_target(), n=24)
+  from flexdraft_jax.drafter import checkpoint
+  checkpoint.save_drafter(str(tmp_path / "drafter"), _bonus_drafter(target0), target0)
   yield str(tmp_path), str(ro)
   ro.chmod(0o700)
 
@@ -356,7 +409,8 @@ def _fill(x, d, ro):
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if "argv" in c], ids=_id)
-def test_cli_bad_input_prints_one_line(case, bad_files, monkeypatch, capsys):
+def test_cli_bad_input_prints_one_line(case, bad_files, monkeypatch, capsys,
+                                       absl_flags_restored):
   d, ro = bad_files
   monkeypatch.setenv("FLEXDRAFT_COST_CACHE", "")
   if not case["model"]:
@@ -382,6 +436,8 @@ def test_cli_bad_input_prints_one_line(case, bad_files, monkeypatch, capsys):
 @pytest.mark.parametrize("case", [c for c in CASES if "call" in c], ids=_id)
 def test_generate_bad_input_is_one_line(case):
   def call():  # an options object may refuse its values itself, when made
+    if callable(case["call"]):
+      return case["call"](tiny.tiny_target())
     kw = {k: v(tiny.tiny_target()) if callable(v) else v for k, v in case["call"].items()}
     target = kw.pop("target", tiny.tiny_target())
     prompts = kw.pop("prompts", [[3, 4, 5]])

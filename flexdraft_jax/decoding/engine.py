@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import inspect
 import time
 import warnings
 from typing import Optional, Sequence
@@ -13,19 +14,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from flexdraft_jax import checks
 from flexdraft_jax.decoding import flex, memory_maps, sharding, timing
 from flexdraft_jax.decoding.chunk import prefill_batch
 from flexdraft_jax.decoding.driver import Driver
-from flexdraft_jax.decoding.options import (Mode, RuntimeOptions, SpecOptions, _is_int,
-                                            check_options, check_prompts, check_stop,
-                                            ignored_options, python_name)
+from flexdraft_jax.decoding.options import (Mode, RuntimeOptions, SpecOptions,
+                                            check_keywords, check_options, check_prompts,
+                                            check_stop, ignored_options, python_name)
 from flexdraft_jax.decoding.sampling import SamplingParams
 from flexdraft_jax.decoding.state import KV_BLOCK
 from flexdraft_jax.drafter.model import (Drafter, draft_head, narrow_draft_params,
                                          narrowed_dtype)
 from flexdraft_jax.kernels import cpu_matmul
 from flexdraft_jax.model import pytree
-from flexdraft_jax.model.config import FlexDraftError, FlexDraftWarning
+from flexdraft_jax.model.config import FlexDraftError, FlexDraftWarning, Target
 from flexdraft_jax.util import round_up
 
 
@@ -96,7 +98,7 @@ def generate(target, prompts: Sequence, *, drafter: Optional[Drafter] = None,
              sampling: SamplingParams = SamplingParams(),
              speculation: SpecOptions = SpecOptions(),
              runtime: RuntimeOptions = RuntimeOptions(),
-             chat: bool = False, stop=None, seed: int = 0) -> GenerateResult:
+             chat: bool = False, stop=None, seed: int = 0, **unknown) -> GenerateResult:
   """Generates continuations of `prompts` (strings or id lists).
 
   `mode` is one of `Mode` ("ar", "parallel", "sequential", "flex"); every
@@ -109,12 +111,22 @@ def generate(target, prompts: Sequence, *, drafter: Optional[Drafter] = None,
   mode uses (in "parallel", and in "flex" where it picks parallel steps);
   `drafter` then drafts for sequential steps only. It must share `drafter`'s
   block size and draft vocabulary (the drafts in flight pass between them).
+  `seed`: any integer that fits 64 bits (each batch's key from seed + its
+  first prompt's index, wrapping at 2**64).
   Returns GenerateResult(token_ids, texts, stats).
+
+  Every argument's type is checked first (checks.py); a keyword of the earlier
+  API (`temperature=`, `batch_size=`, …) gets a line naming its option group.
   """
+  check_keywords(unknown, _ARGS, dict(sampling=sampling, speculation=speculation,
+                                      runtime=runtime))
+  checks.check_loaded("target", target, Target, "fd.load_target({})")
+  for name, value in (("drafter", drafter), ("parallel_drafter", parallel_drafter)):
+    if value is not None:
+      checks.check_loaded(name, value, Drafter, "fd.load_drafter({}, target)")
   mode = check_options(mode=mode, max_new_tokens=max_new_tokens, sampling=sampling,
-                       speculation=speculation, runtime=runtime, stop=stop)
-  if not _is_int(seed):
-    raise FlexDraftError(f"seed must be an integer, got {type(seed).__name__} {seed!r}")
+                       speculation=speculation, runtime=runtime, stop=stop, chat=chat,
+                       seed=seed)
   for line in ignored_options(mode=mode, sampling=sampling, speculation=speculation,
                               drafter=drafter, parallel_drafter=parallel_drafter):
     warnings.warn(line, FlexDraftWarning, stacklevel=2)
@@ -151,13 +163,30 @@ def generate(target, prompts: Sequence, *, drafter: Optional[Drafter] = None,
   for start in range(0, len(ids), batch_size):
     chunk = ids[start:start + batch_size]
     memory_maps.release_if_near_limit()
-    toks, st = _generate_batch(target, chunk, max_new_tokens, sampling, seed + start,
+    toks, st = _generate_batch(target, chunk, max_new_tokens, sampling,
+                               seed_key(seed, start),
                                drafter, mode, speculation, stop_ids, runtime, narrow,
                                parallel_drafter, tree_top)
     results[start:start + len(chunk)] = toks
     stats_list.append(st)
   return GenerateResult(results, _texts(target.tokenizer, results),
                         _merge_stats(stats_list, mode))
+
+
+_ARGS = tuple(inspect.signature(generate).parameters)[2:-1]  # its keyword arguments
+
+
+def seed_key(seed: int, offset: int = 0) -> jax.Array:
+  """The PRNG key of `seed + offset`, from all 64 bits of that sum (modulo
+  2**64: no seed overflows). For 0 <= seed + offset < 2**32 it is
+  `jax.random.PRNGKey(seed + offset)`, the key decoding has always drawn
+  from; beyond, `PRNGKey` (without 64-bit ints) would keep only the low 32
+  bits, and seeds 5 and 2**32 + 5 would draw alike."""
+  u = (int(seed) + offset) % 2 ** 64
+  if jax.config.jax_default_prng_impl != "threefry2x32":  # keys of another layout
+    key = jax.random.PRNGKey(u & 0xFFFFFFFF)
+    return jax.random.fold_in(key, u >> 32) if u >> 32 else key
+  return jnp.asarray(np.array([u >> 32, u & 0xFFFFFFFF], np.uint32))  # PRNGKey's layout
 
 
 def _speculative_drafter(drafter: Drafter, target, mode: Mode, so: SpecOptions,
@@ -352,7 +381,7 @@ def _capacity(cfg, plens, max_new, bs, max_len, tree_budget=0):
   return round_up(max_len, KV_BLOCK)
 
 
-def _generate_batch(target, ids, max_new, sp, seed, drafter, mode, opts, stop_ids,
+def _generate_batch(target, ids, max_new, sp, key, drafter, mode, opts, stop_ids,
                     runtime: RuntimeOptions, draft_dtype=None, parallel_drafter=None,
                     tree_top=0):
   cfg = target.config
@@ -382,7 +411,7 @@ def _generate_batch(target, ids, max_new, sp, seed, drafter, mode, opts, stop_id
   timing.listen()
   t0 = time.perf_counter()
   state = prefill_batch(target.params, dparams, prompt, plen, valid,
-                   jax.random.PRNGKey(seed), S=S, out_len=S,  # max_new < S; shapes need only S
+                   key, S=S, out_len=S,  # max_new < S; shapes need only S
                    cache_sharding=sharding.cache_sharding(mesh), tree_top=tree_top,
                    **static, **traced)
   jax.block_until_ready(state)

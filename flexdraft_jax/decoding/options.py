@@ -4,13 +4,16 @@ checks of prompts and stop tokens that need no model."""
 
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
+import difflib
 import enum
 import numbers
 from typing import Optional
 
-import numpy as np
-
+from flexdraft_jax import checks
+from flexdraft_jax.checks import check_int as _check_int
+from flexdraft_jax.checks import is_int as _is_int
 from flexdraft_jax.decoding import verify
 from flexdraft_jax.decoding.sampling import SamplingParams
 from flexdraft_jax.model.config import FlexDraftError
@@ -45,21 +48,6 @@ ATTN_IMPLS = ("xla", "pallas", "auto")
 # `engine.resolve_draft_dtype`).
 DRAFT_DTYPES = ("auto", "bfloat16", "target")
 MAX_POSITIONS = 2 ** 31 - 1  # positions and lengths are int32 on the device
-
-
-def _is_int(x) -> bool:
-  """An integer (Python, NumPy or a 0-d integer array), not a bool or a float."""
-  if isinstance(x, bool):
-    return False
-  if isinstance(x, numbers.Integral):
-    return True
-  dtype = getattr(x, "dtype", None)
-  return dtype is not None and getattr(x, "ndim", 1) == 0 and np.dtype(dtype).kind in "iu"
-
-
-def _check_int(name: str, value, low: int, hint: str = ""):
-  if not _is_int(value) or value < low:
-    raise FlexDraftError(f"{name} must be an integer >= {low}{hint}, got {value!r}")
 
 
 def _check_positions(name: str, value):
@@ -101,19 +89,25 @@ class SpecOptions:
       _check_int("verify_len", self.verify_len, 2)
     if self.tree_budget is not None:
       _check_int("tree_budget", self.tree_budget, 2, " (unset: a chain)")
-    t = self.threshold
-    if not isinstance(t, numbers.Real) or isinstance(t, bool) or not 0.0 <= t <= 1.0:
-      raise FlexDraftError(f"threshold θ must be in [0, 1], got {t}")
-    if self.strategy not in verify.STRATEGIES:
-      raise FlexDraftError(f"strategy must be one of {verify.STRATEGIES}, "
-                           f"got {self.strategy!r}")
-    if self.flex_threshold != "auto" and (
-        not _is_int(self.flex_threshold) or self.flex_threshold < 0):
-      raise FlexDraftError(
-          f"flex threshold must be 'auto' or an integer >= 0, got {self.flex_threshold!r}")
-    if self.draft_dtype not in DRAFT_DTYPES:
-      raise FlexDraftError(f"draft_dtype must be one of {DRAFT_DTYPES}, "
-                           f"got {self.draft_dtype!r}")
+    checks.check_number("threshold θ", self.threshold, "in [0, 1]", lambda t: 0 <= t <= 1)
+    checks.check_choice("strategy", self.strategy, verify.STRATEGIES)
+    ft = self.flex_threshold
+    if not (ft == "auto" if isinstance(ft, str) else _is_int(ft) and ft >= 0):
+      got = checks.shown(ft) if isinstance(ft, str) or _is_int(ft) else checks.describe(ft)
+      raise FlexDraftError(f"flex threshold must be 'auto' or an integer >= 0, got {got}")
+    checks.check_choice("draft_dtype", self.draft_dtype, DRAFT_DTYPES)
+    if self.cost_cache is not None:  # checked here, not when flex first writes it
+      checks.check_path("cost_cache", self.cost_cache, "a file path, '' or None (the "
+                        "costs in memory only), or 'default'")
+    checks.check_bool("calibrate", self.calibrate)
+    if isinstance(self.group_buckets, (str, bytes)) or not hasattr(self.group_buckets,
+                                                                  "__iter__"):
+      raise FlexDraftError(f"group_buckets must be a tuple of verify lengths (integers "
+                           f">= 2), got {checks.describe(self.group_buckets)}")
+    for g in self.group_buckets:
+      _check_int("each of group_buckets", g, 2)
+    # a tuple of ints, so that the options hash (they key compiled programs)
+    object.__setattr__(self, "group_buckets", tuple(int(g) for g in self.group_buckets))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,8 +124,7 @@ class RuntimeOptions:
     if self.max_len is not None:
       _check_int("max_len", self.max_len, 2)
       _check_positions("max_len", self.max_len)
-    if self.attn_impl not in ATTN_IMPLS:
-      raise FlexDraftError(f"attn_impl must be one of {ATTN_IMPLS}, got {self.attn_impl!r}")
+    checks.check_choice("attn_impl", self.attn_impl, ATTN_IMPLS)
     _check_int("steps_per_call", self.steps_per_call, 1)
 
 
@@ -147,18 +140,72 @@ def python_name(name: str) -> str:
   return name
 
 
+# Each option group as a line spells its constructor. generate() took every
+# option as a keyword before the groups; such a keyword gets a line naming
+# the group that holds it now (check_keywords).
+_GROUP_CALLS = {"sampling": "fd.SamplingParams", "speculation": "fd.SpecOptions",
+                "runtime": "fd.RuntimeOptions"}
+SEED_RANGE = (-2 ** 63, 2 ** 64)  # the seeds that fit 64 bits, signed or not
+
+
+def check_keywords(unknown: dict, accepted, groups=None, where: str = "generate()") -> None:
+  """Refuses keywords `generate` does not take (it takes `accepted`): those of
+  its earlier API (one per option, now in the option groups) get their new
+  spelling, e.g. `sampling=fd.SamplingParams(temperature=0.7)`, with the
+  fields set in the group objects also given (`groups`: {name: object});
+  others the closest keyword it takes."""
+  if not unknown:
+    return
+  by_group = {}
+  for name, cls in GROUPS:  # the fields the caller set already, in the group's object
+    given = (groups or {}).get(name)
+    if isinstance(given, cls) and any(f.name in unknown for f in dataclasses.fields(cls)):
+      by_group[name] = [f"{f.name}={checks.shown(getattr(given, f.name))}"
+                        for f in dataclasses.fields(cls)
+                        if f.name not in unknown and getattr(given, f.name) != f.default]
+  for key, value in unknown.items():
+    group = next((g for g, cls in GROUPS
+                  if key in {f.name for f in dataclasses.fields(cls)}), None)
+    if group is None:
+      near = difflib.get_close_matches(key, accepted, n=1)
+      raise FlexDraftError(f"{where} has no argument {key!r}"
+                           + (f" (did you mean {near[0]}=?)" if near else "")
+                           + f"; it takes {', '.join(accepted)}")
+    by_group.setdefault(group, []).append(f"{key}={checks.shown(value)}")
+  parts = [f"{g} options in {g}={_GROUP_CALLS[g]}({', '.join(kw)})"
+           for g, kw in by_group.items() if kw]
+  spelled = " and ".join([", ".join(parts[:-1]), parts[-1]] if len(parts) > 2 else parts)
+  old = ", ".join(f"{k}=" for k in unknown)
+  raise FlexDraftError(f"{where} takes {spelled}, not {old}")
+
+
+def check_seed(seed) -> None:
+  """A seed is an integer that fits 64 bits, signed or unsigned (the key is
+  made of its 64 bits: seed and seed + 2**64 are the same seed)."""
+  if not _is_int(seed):
+    raise FlexDraftError(f"seed must be an integer, got {checks.describe(seed)}")
+  low, high = SEED_RANGE
+  if not low <= int(seed) < high:
+    raise FlexDraftError(f"seed must fit 64 bits (-2**63 <= seed < 2**64), got "
+                         f"{checks.shown(seed)}")
+
+
+def _unordered(x) -> bool:
+  return isinstance(x, (collections.abc.Mapping, set, frozenset))
+
+
 def check_prompts(prompts) -> list:
   """`prompts` as a list of str / id sequences, or a one-line error naming the
-  first one that is neither (bytes, a number, float ids, a flat id list)."""
+  first one that is neither (bytes, a number, float ids, a flat id list). A
+  dict or a set is refused: it iterates its keys, in no order of the caller's."""
   if isinstance(prompts, (bytes, bytearray)):
     raise FlexDraftError("prompts are bytes: pass text (str) or lists of token ids")
   if isinstance(prompts, str):
     return [prompts]
-  try:
-    prompts = list(prompts)
-  except TypeError:
+  if _unordered(prompts) or not hasattr(prompts, "__iter__"):
     raise FlexDraftError(f"prompts must be a list of strings or of token-id lists, "
-                         f"got {type(prompts).__name__}") from None
+                         f"got {checks.describe(prompts)}")
+  prompts = list(prompts)
   if not prompts:
     raise FlexDraftError("no prompts given")
   if all(_is_int(p) for p in prompts):
@@ -169,8 +216,8 @@ def check_prompts(prompts) -> list:
       continue
     if isinstance(p, (bytes, bytearray)):
       raise FlexDraftError(f"prompt {i} is bytes: pass text (str) or a list of token ids")
-    if isinstance(p, (numbers.Number, dict)) or not hasattr(p, "__iter__"):
-      raise FlexDraftError(f"prompt {i} is {type(p).__name__} {p!r}: a prompt is "
+    if isinstance(p, numbers.Number) or _unordered(p) or not hasattr(p, "__iter__"):
+      raise FlexDraftError(f"prompt {i} is {checks.describe(p)}: a prompt is "
                            "text (str) or a list of token ids")
     bad = next((t for t in p if not _is_int(t)), None)
     if bad is not None:
@@ -182,27 +229,31 @@ def check_stop(stop):
   """`stop` is None or a list of token ids / single-token strings."""
   if stop is None:
     return
-  if isinstance(stop, (str, bytes, numbers.Number)) or not hasattr(stop, "__iter__"):
+  if (isinstance(stop, (str, bytes, numbers.Number, collections.abc.Mapping))
+      or not hasattr(stop, "__iter__")):
+    example = f" (e.g. stop=[{stop!r}])" if isinstance(stop, (str, int)) else ""
     raise FlexDraftError(f"stop must be a list of token ids or single-token strings, "
-                         f"got {type(stop).__name__} {stop!r} (e.g. stop=[{stop!r}])")
+                         f"got {checks.describe(stop)}{example}")
   bad = next((s for s in stop if not (_is_int(s) or isinstance(s, str))), None)
   if bad is not None:
     raise FlexDraftError(f"a stop token must be an integer id or a string, got {bad!r}")
 
 
 def check_options(*, mode="ar", max_new_tokens=128, sampling=SamplingParams(),
-                  speculation=SpecOptions(), runtime=RuntimeOptions(), stop=None) -> Mode:
+                  speculation=SpecOptions(), runtime=RuntimeOptions(), stop=None,
+                  chat=False, seed=0) -> Mode:
   """Every check of `generate`'s options that needs no model (run before loading
   one; each group checked itself when made); returns the Mode."""
-  if mode not in MODES:
-    raise FlexDraftError(f"mode must be one of {MODES}, got {mode!r}")
+  checks.check_choice("mode", mode, MODES)
   _check_int("max_new_tokens", max_new_tokens, 1)
   _check_positions("max_new_tokens", max_new_tokens)
   for (name, cls), value in zip(GROUPS, (sampling, speculation, runtime)):
     if not isinstance(value, cls):
       raise FlexDraftError(f"{name} must be a {cls.__name__}, got "
-                           f"{type(value).__name__} {value!r} (e.g. {name}={cls.__name__}())")
+                           f"{checks.describe(value)} (e.g. {name}={cls.__name__}())")
   check_stop(stop)
+  checks.check_bool("chat", chat)
+  check_seed(seed)
   return Mode(mode)
 
 

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import numbers
 from typing import Optional
 
 import jax
 import jax.numpy as jnp
 
+from flexdraft_jax import checks
 from flexdraft_jax.model import transformer
-from flexdraft_jax.model.config import FlexDraftError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,17 +23,13 @@ class SamplingParams:
   draft_sampling: bool = False
 
   def __post_init__(self):
-    t = self.temperature
-    if (not isinstance(t, numbers.Real) or isinstance(t, bool) or not math.isfinite(t)
-        or t < 0):
-      raise FlexDraftError(f"temperature must be a finite number >= 0, got {t!r}")
-    k = self.top_k
-    if k is not None and (not isinstance(k, numbers.Integral) or isinstance(k, bool)
-                          or k < 1):
-      raise FlexDraftError(f"top_k must be an integer >= 1, got {k!r}")
-    p = self.top_p
-    if p is not None and (not isinstance(p, numbers.Real) or not 0 < p <= 1):
-      raise FlexDraftError(f"top_p must be in (0, 1], got {p!r}")
+    checks.check_number("temperature", self.temperature, "a finite number >= 0",
+                        lambda t: math.isfinite(t) and t >= 0)
+    if self.top_k is not None:
+      checks.check_int("top_k", self.top_k, 1)
+    if self.top_p is not None:
+      checks.check_number("top_p", self.top_p, "in (0, 1]", lambda p: 0 < p <= 1)
+    checks.check_bool("draft_sampling", self.draft_sampling)
 
   @property
   def greedy(self) -> bool:

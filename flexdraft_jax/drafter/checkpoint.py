@@ -25,9 +25,10 @@ import ml_dtypes
 import numpy as np
 from safetensors import numpy as st_numpy
 
+from flexdraft_jax import checks
 from flexdraft_jax.drafter.model import (Drafter, DrafterConfig, check_vocab,
                                          init_draft_params)
-from flexdraft_jax.model.config import FlexDraftError
+from flexdraft_jax.model.config import FlexDraftError, Target
 
 FORMAT = "flexdraft-drafter"
 VERSION = 1
@@ -150,6 +151,18 @@ def read_meta(path: str) -> dict:
   return meta
 
 
+def drafter_folder_target(path) -> Optional[str]:
+  """None unless `path` is a drafter folder (it holds drafter.json); then the
+  name of the target it was made for ('' where drafter.json does not say)."""
+  if not isinstance(path, (str, os.PathLike)) or not os.path.isfile(
+      os.path.join(os.path.expanduser(path), META_FILE)):
+    return None
+  try:
+    return str(read_meta(os.path.expanduser(path))["target"]["name"])
+  except (FlexDraftError, KeyError, TypeError):
+    return ""
+
+
 def check_target(meta: dict, target, path: str = "drafter") -> None:
   """Refuses (one line) a drafter whose recorded target differs from `target`."""
   want = target_record(target)
@@ -164,6 +177,9 @@ def check_target(meta: dict, target, path: str = "drafter") -> None:
 def load_drafter(path: str, target) -> Drafter:
   """Reads a drafter saved by `save_drafter`, checked against `target` and cast
   to the target's dtype."""
+  checks.check_path("path", path, "a drafter folder (str)")
+  checks.check_loaded("target", target, Target, "fd.load_target({})")
+  path = os.fspath(path)
   meta = read_meta(path)
   check_target(meta, target, path)
   try:

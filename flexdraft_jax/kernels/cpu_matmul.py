@@ -175,9 +175,13 @@ matmul_t.defvjp(_fwd, _bwd)
 def run(argv):
   """Entry from `python -m flexdraft_jax build-kernel` (launch/setup.sh): compiles
   the kernel into its cache now rather than on the first decode."""
+  usage = ("usage: python -m flexdraft_jax build-kernel (no arguments): compiles the "
+           "CPU decode matmul kernel into its cache")
+  if argv[1:] in (["--help"], ["-h"], ["-?"]):
+    print(usage)
+    return
   if len(argv) > 1:
-    raise SystemExit("usage: python -m flexdraft_jax build-kernel (no arguments): "
-                     "compiles the CPU decode matmul kernel into its cache")
+    raise SystemExit(usage)
   try:
     print("flexdraft_jax: CPU matmul kernel at", build(verbose=True))
   except RuntimeError as e:

@@ -10,9 +10,10 @@ from typing import Optional
 
 import jax.numpy as jnp
 
+from flexdraft_jax import checks
 from flexdraft_jax.model.config import FlexDraftError, ModelConfig, Target  # noqa: F401
 from flexdraft_jax.model.tokenizer import Tokenizer
-from flexdraft_jax.model.weights import fingerprint
+from flexdraft_jax.model.weights import check_layout, fingerprint
 
 # builtin name -> (pip distribution, importable package, file inside the package)
 BUILTINS = {
@@ -73,6 +74,17 @@ def _with_tokenizer_ids(cfg: ModelConfig, tokenizer: Optional[Tokenizer]) -> Mod
                              eos_token_ids=tokenizer.eos_token_ids or cfg.eos_token_ids)
 
 
+def _check_dtype(dtype) -> None:
+  """`dtype` names a floating-point dtype ("float32", "bfloat16", jnp.float16)."""
+  what = "a floating-point dtype such as 'float32' or 'bfloat16'"
+  try:
+    ok = jnp.issubdtype(jnp.dtype(dtype), jnp.floating)
+  except TypeError:
+    ok = False
+  if not ok:
+    raise FlexDraftError(f"dtype must be {what}, got {checks.describe(dtype)}")
+
+
 def load_target(spec: str, dtype="float32", layout: str = "stacked") -> Target:
   """Loads a target model.
 
@@ -88,6 +100,9 @@ def load_target(spec: str, dtype="float32", layout: str = "stacked") -> Target:
   Raises:
     FlexDraftError: with a one-line message naming what is wrong.
   """
+  checks.check_path("spec", spec, "a model folder, a .gguf file or a builtin name (str)")
+  _check_dtype(dtype)
+  check_layout(layout)
   if isinstance(spec, str) and spec.startswith("random:"):
     from flexdraft_jax.model import random_target
     return random_target.load(spec, dtype, layout)

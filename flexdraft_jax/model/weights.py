@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from flexdraft_jax import checks
 from flexdraft_jax.model import pytree, transformer
 from flexdraft_jax.model.config import FlexDraftError, ModelConfig
 
@@ -35,8 +36,7 @@ LAYOUTS = ("stacked", "layers")
 
 
 def check_layout(layout: str) -> None:
-  if layout not in LAYOUTS:
-    raise FlexDraftError(f"layout must be 'stacked' or 'layers', got {layout!r}")
+  checks.check_choice("layout", layout, LAYOUTS)
 
 
 def build_params(cfg: ModelConfig, fetch_global: FetchGlobal, fetch_layer: FetchLayer,

@@ -54,6 +54,27 @@ def _portable(path: str) -> str:
   return path if rel.startswith("..") else rel
 
 
+GRID_FORMAT = ("each --grid setting is λ:μ3:μ2, three finite numbers (e.g. "
+               "--grid=0.2:3:2,0.4:3:2)")
+
+
+def parse_grid(settings) -> list:
+  """The `--grid` settings as (λ, μ3, μ2) float triples, or one line naming the
+  first one that is not three finite numbers."""
+  import math
+  from flexdraft_jax.model.config import FlexDraftError
+  out = []
+  for setting in settings:
+    try:
+      values = tuple(float(x) for x in setting.split(":"))
+    except ValueError:
+      values = ()
+    if len(values) != 3 or not all(math.isfinite(v) for v in values):
+      raise FlexDraftError(f"{GRID_FORMAT}, got {setting!r}")
+    out.append(values)
+  return out
+
+
 def _best_on_held_out(target, drafter, held):
   """The drafter config of the `--grid` setting with the best walk τ on the
   held-out records."""
@@ -65,8 +86,7 @@ def _best_on_held_out(target, drafter, held):
   print("| λ | μ3 | μ2 | held-out walk τ | acc 1 | acc 2 | acc 3 | acc 4 |\n"
         "|---|---|---|---|---|---|---|---|", flush=True)
   best = None
-  for setting in FLAGS.grid:
-    lam, mu3, mu2 = map(float, setting.split(":"))
+  for lam, mu3, mu2 in parse_grid(FLAGS.grid):
     dcfg = dataclasses.replace(drafter.config, ngram_weight=lam, context_trigram=mu3,
                                context_bigram=mu2)
     r = offline_tau.score(target, drafter._replace(config=dcfg), prompts, answers,
@@ -111,6 +131,7 @@ def main(argv):
     if not math.isfinite(FLAGS[name].value):
       raise FlexDraftError(f"--{name} must be a finite number, got {FLAGS[name].value}")
   check_out(FLAGS.out)
+  grid = parse_grid(FLAGS.grid)  # before anything loads
   import numpy as np
   import flexdraft_jax as fd
   from flexdraft_jax.drafter import checkpoint, ngram
@@ -134,7 +155,7 @@ def main(argv):
     regen_store.use_packed(config.data)
     train, held = data.split_eval(regen_store.load_records(config.data.regen_dir),
                                   config.train.num_eval)
-  if FLAGS.weight or any(float(g.split(":")[0]) for g in FLAGS.grid):
+  if FLAGS.weight or any(lam for lam, _, _ in grid):
     vocab = (np.asarray(params["vocab"]) if "vocab" in params
              else np.arange(target.config.vocab_size))
     tables = ngram.build_tables(
