@@ -17,6 +17,7 @@ import pytest
 from flexdraft_jax.kernels import attend_pallas
 from flexdraft_jax.kernels import attention as kattn
 from flexdraft_jax.model import attention
+from flexdraft_jax.model.config import FlexDraftError
 
 NAMES = ("q", "k", "v", "lim", "xk", "xv", "qg", "kg")
 ALL = ("q", "k", "v", "xk", "xv")
@@ -236,3 +237,98 @@ def test_real_lowering(be):
   # Frozen cache (training): the cache dK/dV kernel is not even traced.
   assert _lower(be, (0, 1, 2, 3, 4), frozen_cache=True) == {
       "fwd", "dq", "dextra"}
+
+
+@pytest.mark.parametrize("be", ["gpu", "tpu"])
+def test_real_lowering_with_a_tree(be):
+  """The forward with a tree of 70 nodes (3 mask words) lowers on both."""
+  B, T, N, K, D, S = 2, 70, 9, 3, 64, 2048
+  sd = jax.ShapeDtypeStruct
+  dt = jnp.bfloat16
+  args = (sd((B, T, N, D), dt), sd((B, K, S, D), dt), sd((B, K, S, D), dt),
+          sd((B, T), jnp.int32), sd((B,), jnp.int32), sd((B, T, T), jnp.bool_))
+  fn = lambda q, k, v, lim, start, anc: attend_pallas(
+      q, k, v, lim, tree=(start, anc), backend=be, interpret=False)
+  plat = {"gpu": "cuda", "tpu": "tpu"}[be]
+  txt = jax.jit(fn).trace(*args).lower(lowering_platforms=(plat,)).as_text()
+  assert set(re.findall(r"flexdraft_attn_(\w+?)\b", txt)) == {"fwd"}
+
+
+# ------------------------------------------------------------ draft trees ----
+
+def _ancestors(parents):
+  """anc[t, u]: u is t or one of its ancestors (parents[0] = -1, the root)."""
+  T = len(parents)
+  anc = np.zeros((T, T), bool)
+  for t in range(T):
+    u = t
+    while u >= 0:
+      anc[t, u] = True
+      u = parents[u]
+  return anc
+
+
+def _tree_case(parents_per_row, starts, S, N=4, K=2, D=16):
+  """B = len(starts) trees of T nodes (one per batch row), rows at their own
+  slots start + t (the verify layout)."""
+  B, T = len(starts), len(parents_per_row[0])
+  lim = np.asarray(starts)[:, None] + np.arange(T)[None, :]
+  inp = _inputs(B, T, N, K, D, S, 0, lim)
+  tree = (jnp.asarray(starts, jnp.int32),
+          jnp.asarray(np.stack([_ancestors(p) for p in parents_per_row])))
+  return inp, lim, tree
+
+
+@pytest.mark.parametrize("backend", ["gpu", "tpu"])
+def test_tree_forward_matches_xla(backend):
+  """The tree mask of the forward: a wide tree and a chain side by side
+  (B = 2, GQA 2, 22 rows in blocks of 8, the tree across a key-block
+  boundary), then T = 37 (two mask words) with a star and random parents;
+  rows whose limit ends before the tree, sees nothing, or runs past it."""
+  fn = jax.jit(functools.partial(attend_pallas, interpret=True, backend=backend,
+                                 block_q=8, block_k=8))
+  wide = [-1, 0, 0, 0, 1, 1, 2, 3, 3, 4, 8]
+  chain = list(range(-1, 10))
+  inp, lim, tree = _tree_case([wide, chain], [5, 20], S=40)
+  lim[0, 3] = 2          # only slots before the tree
+  lim[1, 4] = -1         # nothing
+  lim[1, 10] = 40 + 3    # the whole cache: the slots past the tree too
+  cases = [(inp, lim, tree)]
+  star = [-1] + [0] * 36
+  rand = [-1] + [int(_rng.integers(0, t)) for t in range(1, 37)]
+  inp, lim, tree = _tree_case([star, rand], [0, 30], S=72)
+  lim[0, 36] = 71
+  cases.append((inp, lim, tree))
+  for inp, lim, tree in cases:
+    args = (inp["q"], inp["k"], inp["v"], jnp.asarray(lim, jnp.int32))
+    want = attention.attend_xla(*args, tree=tree)
+    _close(fn(*args, tree=tree), want, 1e-5)
+    # The tree narrows what the rows see: without it the output differs.
+    assert np.max(np.abs(attention.attend_xla(*args) - want)) > 1e-2
+
+
+def test_tree_refuses_gradients_and_malformed_ancestors():
+  inp, lim, tree = _tree_case([list(range(-1, 3))], [2], S=16)
+  args = (inp["q"], inp["k"], inp["v"], jnp.asarray(lim, jnp.int32))
+  loss = lambda q: jnp.sum(attend_pallas(q, *args[1:], tree=tree, interpret=True))
+  with pytest.raises(FlexDraftError, match="no backward with a draft tree"):
+    jax.grad(loss)(args[0])
+  with pytest.raises(ValueError, match=r"needs ancestors \[1, 4, 4\], got \(1, 3, 3\)"):
+    attend_pallas(*args, tree=(tree[0], tree[1][:, :3, :3]), interpret=True)
+
+
+def test_attend_routes_trees_to_pallas(monkeypatch):
+  """`attend(impl="pallas", tree=...)` runs the kernels (no XLA fallback)."""
+  seen = []
+  real = kattn.attend_pallas
+
+  def spy(*a, **kw):
+    seen.append(kw.get("tree") is not None)
+    return real(*a, **kw)
+
+  monkeypatch.setattr(kattn, "attend_pallas", spy)
+  inp, lim, tree = _tree_case([[-1, 0, 0, 1, 1]], [3], S=16)
+  args = (inp["q"], inp["k"], inp["v"], jnp.asarray(lim, jnp.int32))
+  got = attention.attend(*args, impl="pallas", tree=tree)
+  assert seen == [True]
+  _close(got, attention.attend_xla(*args, tree=tree), 1e-5)

@@ -1,7 +1,7 @@
 """The decoding engine with Pallas attention (interpret mode on CPU) equals XLA."""
 
 import flexdraft_jax as fd
-from tests.decoding_util import random_drafter, tiny_target
+from tests.decoding_util import ngram_drafter, random_drafter, tiny_target
 
 
 def test_pallas_engine_is_token_identical_to_xla():
@@ -15,3 +15,26 @@ def test_pallas_engine_is_token_identical_to_xla():
     pallas = fd.generate(target, prompts, runtime=fd.RuntimeOptions(attn_impl="pallas"),
                          **kw)
     assert pallas.token_ids == xla.token_ids, mode
+
+
+def test_pallas_tree_decoding_equals_ar(monkeypatch):
+  """Draft trees verified by the Pallas kernels (interpret mode) emit AR's
+  tokens; the spy checks the tree rows reached the kernels."""
+  from flexdraft_jax.kernels import attention as kattn
+  trees = []
+  real = kattn.attend_pallas
+
+  def spy(*a, **kw):
+    trees.append(kw.get("tree") is not None)
+    return real(*a, **kw)
+
+  monkeypatch.setattr(kattn, "attend_pallas", spy)
+  target = tiny_target()
+  drafter = ngram_drafter(target, block_size=4, weight=1.0)
+  prompts = [[5, 6, 7, 8]]
+  ref = fd.generate(target, prompts, max_new_tokens=8, stop=[])
+  out = fd.generate(target, prompts, max_new_tokens=8, stop=[], drafter=drafter,
+                    mode="sequential", speculation=fd.SpecOptions(tree_budget=8),
+                    runtime=fd.RuntimeOptions(attn_impl="pallas"))
+  assert any(trees)
+  assert out.token_ids == ref.token_ids

@@ -38,10 +38,16 @@ class Cfg:
   n_k: int              # cache key blocks
   n_e: int              # extra key blocks (0: no extra keys)
   compute_dtype: str    # dtype the matmuls run in (fp32 accumulation)
+  tree_nodes: int = 0   # rows are a draft tree of this many nodes (0: none)
 
   @property
   def has_extra(self) -> bool:
     return self.n_e > 0
+
+  @property
+  def tree_words(self) -> int:
+    """int32 words of one row's ancestor bitmask (0 without a tree)."""
+    return -(-self.tree_nodes // 32)
 
   @property
   def precision(self):
@@ -80,6 +86,26 @@ def cache_mask_cols(j, bk, lim_1xQ):
   """Transposed cache mask (bk, bq) for the column (dk/dv) kernel."""
   col = j * bk + lax.broadcasted_iota(jnp.int32, (bk, 1), 0)
   return col <= lim_1xQ
+
+
+def tree_mask_rows(j, bk, n_nodes, start_Qx1, words):
+  """(bq, bk): a draft tree's visibility of cache slots `j*bk + c`.
+
+  The tree's `n_nodes` rows own slots `start .. start + n_nodes - 1`; a row
+  sees such a slot iff bit `slot - start` of its ancestor mask is set (bit b
+  of the mask is bit `b % 32` of `words[b // 32]`, each word a `(bq, 1)`
+  int32 column). Slots outside the tree are left to the limit mask (True).
+  The words are walked statically (a few per row), so no gather is needed.
+  """
+  col = j * bk + lax.broadcasted_iota(jnp.int32, (1, bk), 1)
+  rel = col - start_Qx1                                        # (bq, bk)
+  in_tree = (rel >= 0) & (rel < n_nodes)
+  word_of, bit_of = jnp.right_shift(rel, 5), rel & 31
+  anc = jnp.zeros(rel.shape, jnp.bool_)
+  for w, word_Qx1 in enumerate(words):
+    bit = jnp.right_shift(word_Qx1, bit_of) & 1
+    anc = anc | ((word_of == w) & (bit != 0))
+  return anc | ~in_tree
 
 
 def group_mask(qg, kg):

@@ -32,8 +32,12 @@ from flexdraft_jax.kernels import _platform
 
 
 def _row_body(cfg: C.Cfg, mode, q, lim, qg, stats, n_cache, get_cache,
-              e_lo, e_hi, get_extra):
-  """Shared loop; returns (out, lse) for "fwd" or unscaled-dq for "dq"."""
+              e_lo, e_hi, get_extra, tree=None):
+  """Shared loop; returns (out, lse) for "fwd" or unscaled-dq for "dq".
+
+  `tree` (with `cfg.tree_nodes`): (start `(bq, 1)`, ancestor-mask words,
+  each `(bq, 1)`) narrowing the tree's cache slots to each row's ancestors.
+  """
   bq, d = q.shape
   if mode == "fwd":
     carry = C.fwd_init(bq, d)
@@ -45,7 +49,10 @@ def _row_body(cfg: C.Cfg, mode, q, lim, qg, stats, n_cache, get_cache,
 
   def cache_block(j, c):
     k, v = get_cache(j)
-    return step(c, k, v, C.cache_mask_rows(j, cfg.bk, lim))
+    mask = C.cache_mask_rows(j, cfg.bk, lim)
+    if tree is not None:
+      mask = mask & C.tree_mask_rows(j, cfg.bk, cfg.tree_nodes, *tree)
+    return step(c, k, v, mask)
 
   carry = lax.fori_loop(0, n_cache, cache_block, carry)
   if cfg.has_extra:
@@ -63,19 +70,29 @@ def _split(cfg, mode, refs, n_scalar):
   refs = list(refs)
   scal = refs[:n_scalar]; refs = refs[n_scalar:]
   q, lim, qg, k, v = refs[:5]; refs = refs[5:]
-  xk = xv = kg = None
+  xk = xv = kg = tree = None
   if cfg.has_extra:
     xk, xv, kg = refs[:3]; refs = refs[3:]
+  if cfg.tree_nodes:
+    tree = tuple(refs[:2]); refs = refs[2:]
   stats = ()
   if mode == "dq":
     stats = tuple(refs[:3]); refs = refs[3:]
-  return scal, q, lim, qg, k, v, xk, xv, kg, stats, refs
+  return scal, q, lim, qg, k, v, xk, xv, kg, tree, stats, refs
+
+
+def _tree_values(cfg: C.Cfg, tree_refs):
+  """(start, words) loaded from the tree refs, or None without a tree."""
+  if tree_refs is None:
+    return None
+  start_ref, words_ref = tree_refs
+  return start_ref[...], tuple(words_ref[w] for w in range(cfg.tree_words))
 
 
 def _kernel_gpu(cfg: C.Cfg, mode, *refs):
   # No scalar prefetch on Triton: the tables come last among the inputs.
   (_, q_ref, lim_ref, qg_ref, k_ref, v_ref, xk_ref, xv_ref, kg_ref,
-   stat_refs, rest) = _split(cfg, mode, refs, 0)
+   tree_refs, stat_refs, rest) = _split(cfg, mode, refs, 0)
   (nblk_ref, elo_ref, ehi_ref), outs = rest[:3], rest[3:]
   b, i = pl.program_id(0), pl.program_id(2)
   n_cache = nblk_ref[b, i]
@@ -90,7 +107,8 @@ def _kernel_gpu(cfg: C.Cfg, mode, *refs):
   res = _row_body(cfg, mode, q_ref[...], lim_ref[...], qg_ref[...],
                   tuple(r[...] for r in stat_refs), n_cache, get_cache,
                   elo_ref[i] if cfg.has_extra else 0,
-                  ehi_ref[i] if cfg.has_extra else 0, get_extra)
+                  ehi_ref[i] if cfg.has_extra else 0, get_extra,
+                  _tree_values(cfg, tree_refs))
   for ref, val in zip(outs, res):
     ref[...] = val.astype(ref.dtype)
 
@@ -98,7 +116,7 @@ def _kernel_gpu(cfg: C.Cfg, mode, *refs):
 def _kernel_tpu(cfg: C.Cfg, mode, *refs):
   from jax.experimental.pallas import tpu as pltpu
   (tabs, q_ref, lim_ref, qg_ref, k_hbm, v_hbm, xk_ref, xv_ref, kg_ref,
-   stat_refs, rest) = _split(cfg, mode, refs, 3)
+   tree_refs, stat_refs, rest) = _split(cfg, mode, refs, 3)
   nblk_ref, elo_ref, ehi_ref = tabs
   n_out = 2 if mode == "fwd" else 1
   outs, (kbuf, vbuf, sem) = rest[:n_out], rest[n_out:]
@@ -134,19 +152,22 @@ def _kernel_tpu(cfg: C.Cfg, mode, *refs):
 
   res = _row_body(cfg, mode, q_ref[...], lim_ref[...], qg_ref[...],
                   tuple(r[...] for r in stat_refs), n_cache, get_cache,
-                  elo_ref[i], ehi_ref[i], get_extra)
+                  elo_ref[i], ehi_ref[i], get_extra,
+                  _tree_values(cfg, tree_refs))
   for ref, val in zip(outs, res):
     ref[...] = val.astype(ref.dtype)
 
 
 def row_call(cfg: C.Cfg, q, lim, qg, k, v, xk, xv, kg, tables,
-             stats=(), out_dtype=None):
+             stats=(), out_dtype=None, tree=None):
   """Runs the row kernel.
 
   Args (kernel layout, padded): q `[B, K, Rp, D]`; lim `[B, Rp, 1]`;
     qg `[Rp, 1]`; k, v `[B, K, Sp, D]`; xk, xv `[B, K, nE, be, D]` and
     kg `[nE, 1, be]` (or None); tables = (nblk `[B, nQ]`, elo `[nQ]`,
-    ehi `[nQ]`); stats = (do `[B,K,Rp,D]`, lse, delta `[B,K,Rp,1]`) for dq.
+    ehi `[nQ]`); stats = (do `[B,K,Rp,D]`, lse, delta `[B,K,Rp,1]`) for dq;
+    tree (with `cfg.tree_nodes`) = (start `[B, Rp, 1]`, ancestor-mask words
+    `[B, W, Rp, 1]` int32, W = `cfg.tree_words`).
   Returns: fwd -> (out `[B, K, Rp, D]` out_dtype, lse `[B, K, Rp, 1]` f32);
     dq -> (dq `[B, K, Rp, D]` f32,).
   """
@@ -175,6 +196,11 @@ def row_call(cfg: C.Cfg, q, lim, qg, k, v, xk, xv, kg, tables,
     in_specs += [x_spec, x_spec,
                  pl.BlockSpec((nE, 1, be), lambda b, h, i, *_: (0, 0, 0))]
     args += [xk, xv, kg]
+  if cfg.tree_nodes:
+    in_specs += [pl.BlockSpec((None, bq, 1), lambda b, h, i, *_: (b, i, 0)),
+                 pl.BlockSpec((None, cfg.tree_words, bq, 1),
+                              lambda b, h, i, *_: (b, 0, i, 0))]
+    args += list(tree)
   if stats:
     in_specs += [row_spec, col_spec, col_spec]
     args += list(stats)

@@ -43,6 +43,14 @@ bf16 inputs the probabilities are rounded to bf16 before P@V, as usual for
 flash attention, so results differ from the fp32-softmax reference at the
 bf16 rounding level.
 
+Draft trees (`tree=(start_B, anc_BxTxT)`, as `attend_xla` takes it): each
+row carries its ancestors as a bitmask (`ceil(T / 32)` int32 words, bit u
+of token t's mask = anc[t, u]) and its tree's `start`; the forward's cache
+loop clears the tree slots `start .. start + T - 1` whose bit is clear.
+A static flag (`Cfg.tree_nodes`): without a tree the kernels are compiled
+exactly as before. Forward only — decoding verifies trees, training has
+none — so differentiating through a tree is refused.
+
 Caches whose length is not a multiple of the key block are padded (a copy);
 size production caches in multiples of `block_k`.
 """
@@ -59,6 +67,7 @@ from flexdraft_jax.kernels import _common as C
 from flexdraft_jax.kernels import _platform
 from flexdraft_jax.kernels._col import col_call
 from flexdraft_jax.kernels._row import row_call
+from flexdraft_jax.model.config import FlexDraftError
 from flexdraft_jax.util import ceil_div, round_up
 
 # (block_q, block_k, block_e) per backend.
@@ -132,8 +141,23 @@ def _fwd(cfg: C.Cfg, q, k, v, xk, xv, ints):
   out, lse = row_call(
       cfg, q, ints["lim"][..., None], ints["qg"][:, None], k, v, xk, xv,
       ints["kg"].reshape(cfg.n_e, 1, cfg.be) if cfg.has_extra else None,
-      (ints["nblk"], ints["elo"], ints["ehi"]), out_dtype=q.dtype)
+      (ints["nblk"], ints["elo"], ints["ehi"]), out_dtype=q.dtype,
+      tree=(ints["tstart"], ints["tbits"]) if cfg.tree_nodes else None)
   return out, lse
+
+
+def _tree_rows(cfg: C.Cfg, start_B, anc_BxTxT, G: int, Rp: int):
+  """The kernel's tree inputs: start per row `[B, Rp, 1]` and the ancestor
+  bitmask per row `[B, W, Rp, 1]` int32 (row t·G + g gets token t's mask;
+  padded rows none)."""
+  B, T = anc_BxTxT.shape[:2]
+  W = cfg.tree_words
+  bits = _pad_axis(anc_BxTxT.astype(jnp.uint32), 2, W * 32).reshape(B, T, W, 32)
+  words = jnp.sum(bits << jnp.arange(32, dtype=jnp.uint32), axis=-1)  # disjoint
+  words = jax.lax.bitcast_convert_type(words, jnp.int32)               # B,T,W
+  words = _pad_axis(jnp.repeat(words, G, axis=1), 1, Rp)
+  start = jnp.broadcast_to(start_B.astype(jnp.int32)[:, None, None], (B, Rp, 1))
+  return start, jnp.swapaxes(words, 1, 2)[..., None]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -150,6 +174,9 @@ def _core_fwd(cfg, q, k, v, xk, xv, ints):
   need = (pert(q), pert(k) or pert(v), pert(xk) or pert(xv))
   q, k, v, xk, xv = map(val, (q, k, v, xk, xv))
   ints = jax.tree.map(val, ints)
+  if cfg.tree_nodes and any(need):
+    raise FlexDraftError("attend_pallas has no backward with a draft tree "
+                         "(tree=...): differentiate attend_xla instead")
   out, lse = _fwd(cfg, q, k, v, xk, xv, ints)
   return out, (need, q, k, v, xk, xv, ints, out, lse)
 
@@ -196,7 +223,7 @@ def attend_pallas(q_BxTxNxD, k_BxKxSxD, v_BxKxSxD, limit_BxT,
                   k_group_E: Optional[jax.Array] = None, *,
                   backend: str = "auto", interpret: Optional[bool] = None,
                   block_q: Optional[int] = None, block_k: Optional[int] = None,
-                  block_e: Optional[int] = None):
+                  block_e: Optional[int] = None, tree=None):
   """`attend_xla` as Pallas kernels (same arguments, same `[B, T, N, D]`).
 
   The cache `k_BxKxSxD`, `v_BxKxSxD` is kv-head major (`[B, K, S, D]`, as in
@@ -206,6 +233,10 @@ def attend_pallas(q_BxTxNxD, k_BxKxSxD, v_BxKxSxD, limit_BxT,
   (None: only where the platform can't compile the backend), and the block
   sizes (rows of q — tokens x q-heads-per-kv-head —, cache keys, extra keys;
   defaults per backend in DEFAULT_BLOCKS, shrunk to small problems).
+
+  `tree` = (start_B, anc_BxTxT): the queries are a draft tree's rows, as in
+  `attend_xla` (forward only: differentiating through a tree raises
+  FlexDraftError; `attend_xla` has the gradient).
   """
   q = q_BxTxNxD
   B, T, N, D = q.shape
@@ -219,6 +250,9 @@ def attend_pallas(q_BxTxNxD, k_BxKxSxD, v_BxKxSxD, limit_BxT,
   E = xk_BxExKxD.shape[1] if has_x else 0
   if T == 0:
     return jnp.zeros(q.shape, q.dtype)
+  if tree is not None and tuple(tree[1].shape) != (B, T, T):
+    raise ValueError(f"a tree of {T} rows needs ancestors [{B}, {T}, {T}], "
+                     f"got {tuple(tree[1].shape)}")
   if backend == "gpu" and not interp and D & (D - 1):
     raise ValueError(f"the Triton kernels need a power-of-two head_dim: {D}")
 
@@ -235,7 +269,8 @@ def attend_pallas(q_BxTxNxD, k_BxKxSxD, v_BxKxSxD, limit_BxT,
   cfg = C.Cfg(backend=backend, interpret=interp, scale=float(D) ** -0.5,
               bq=bq, bk=bk, be=be, n_q=Rp // bq, n_k=Sp // bk,
               n_e=Ep // be if has_x else 0,
-              compute_dtype=jnp.dtype(jnp.result_type(*dtypes)).name)
+              compute_dtype=jnp.dtype(jnp.result_type(*dtypes)).name,
+              tree_nodes=T if tree is not None else 0)
 
   # Rows: (token, head-in-group), padded rows see nothing.
   qr = q.reshape(B, T, K, G, D).transpose(0, 2, 1, 3, 4).reshape(B, K, R, D)
@@ -255,6 +290,8 @@ def attend_pallas(q_BxTxNxD, k_BxKxSxD, v_BxKxSxD, limit_BxT,
     qg = jnp.full((Rp,), -1, jnp.int32)
     kg = jnp.zeros((0,), jnp.int32)
   ints = {"lim": lim, "qg": qg, "kg": kg, **_schedule(cfg, lim, qg, kg)}
+  if tree is not None:
+    ints["tstart"], ints["tbits"] = _tree_rows(cfg, *tree, G, Rp)
 
   out = _core(cfg, qr, k, v, xk, xv, ints)
   out = out[:, :, :R].reshape(B, K, T, G, D).transpose(0, 2, 1, 3, 4)

@@ -193,14 +193,14 @@ def attend(q_BxTxNxD, k_BxKxSxD, v_BxKxSxD, limit_BxT,
   `extra_block` (xla, whole-cache path): the queries are the extra keys' rows
   in contiguous groups of that many rows (see `attend_xla`).
   `tree` (start_B, anc_BxTxT): the queries are a draft tree's rows (see
-  `attend_xla`). The Pallas kernels have no tree mask: tree rows run XLA's
-  attention whatever `impl` says.
+  `attend_xla`); the Pallas kernels apply it in their forward (ancestor
+  bitmasks per row) and refuse to differentiate through it.
   """
-  if resolve_impl(impl) == "pallas" and tree is None:
+  if resolve_impl(impl) == "pallas":
     from flexdraft_jax.kernels import attention as pallas_attention
     return pallas_attention.attend_pallas(
         q_BxTxNxD, k_BxKxSxD, v_BxKxSxD, limit_BxT,
-        xk_BxExKxD, xv_BxExKxD, q_group_T, k_group_E)
+        xk_BxExKxD, xv_BxExKxD, q_group_T, k_group_E, tree=tree)
   if kv_block:
     return attend_xla_blocked(q_BxTxNxD, k_BxKxSxD, v_BxKxSxD, limit_BxT,
                               xk_BxExKxD, xv_BxExKxD, q_group_T, k_group_E,
