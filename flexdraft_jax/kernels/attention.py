@@ -46,7 +46,7 @@ bf16 rounding level.
 Draft trees (`tree=(start_B, anc_BxTxT)`, as `attend_xla` takes it): each
 row carries its ancestors as a bitmask (`ceil(T / 32)` int32 words, bit u
 of token t's mask = anc[t, u]) and its tree's `start`; the forward's cache
-loop clears the tree slots `start .. start + T - 1` whose bit is clear.
+loop masks out the tree slots `start .. start + T - 1` whose bit is clear.
 A static flag (`Cfg.tree_nodes`): without a tree the kernels are compiled
 exactly as before. Forward only — decoding verifies trees, training has
 none — so differentiating through a tree is refused.
