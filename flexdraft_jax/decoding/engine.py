@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import time
 import warnings
 from typing import Optional, Sequence
 
@@ -13,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from flexdraft_jax import compile_cache
 from flexdraft_jax.decoding import flex, memory_maps, sharding, timing
 from flexdraft_jax.decoding.chunk import prefill_batch
 from flexdraft_jax.decoding.driver import Driver
@@ -34,6 +34,41 @@ class GenerateResult:
   token_ids: list      # per prompt: new ids, up to and including a stop token
   texts: list
   stats: dict
+
+
+@dataclasses.dataclass
+class StreamChunk:
+  """Tokens of one row that were just decided: `row` (the prompt's index),
+  its new `token_ids`, and their `text` (None without a tokenizer). A row's
+  texts joined are its `GenerateResult.texts` entry; text that ends inside a
+  multi-byte character waits for the token that completes it."""
+  row: int
+  token_ids: list
+  text: Optional[str]
+
+
+class GenerateStream:
+  """What `generate_stream` returns: iterate it for `StreamChunk`s as rows
+  commit tokens; once it is exhausted, `result` is the `GenerateResult` that
+  `generate` would have returned (the same tokens, texts and stats)."""
+
+  def __init__(self, chunks):
+    self._chunks = chunks
+    self.result: Optional[GenerateResult] = None
+
+  def __iter__(self):
+    return self
+
+  def __next__(self) -> StreamChunk:
+    try:
+      return next(self._chunks)
+    except StopIteration as e:
+      self.result = e.value
+      raise StopIteration from None
+
+  def close(self):
+    """Stops decoding (what is not decoded yet never is)."""
+    self._chunks.close()
 
 
 def _encode_prompts(target, prompts, chat: bool):
@@ -109,8 +144,51 @@ def generate(target, prompts: Sequence, *, drafter: Optional[Drafter] = None,
   mode uses (in "parallel", and in "flex" where it picks parallel steps);
   `drafter` then drafts for sequential steps only. It must share `drafter`'s
   block size and draft vocabulary (the drafts in flight pass between them).
-  Returns GenerateResult(token_ids, texts, stats).
+  Returns GenerateResult(token_ids, texts, stats). The stats' seconds add up
+  to the call: `compile_seconds` (every program compiled or loaded, once),
+  `flex_timing_seconds` (flex timing its steps, its compiling left out),
+  `prefill_seconds`, `decode_seconds` and `other_seconds` (tokenising, weight
+  layouts, moving rows), summed in `seconds`.
   """
+  return _drain(_start(target, prompts, drafter=drafter, parallel_drafter=parallel_drafter, mode=mode,
+                max_new_tokens=max_new_tokens, sampling=sampling, speculation=speculation,
+                runtime=runtime, chat=chat, stop=stop, seed=seed)(stream=False))
+
+
+def generate_stream(target, prompts: Sequence, *, drafter: Optional[Drafter] = None,
+                    parallel_drafter: Optional[Drafter] = None,
+                    mode: str = "ar", max_new_tokens: int = 128,
+                    sampling: SamplingParams = SamplingParams(),
+                    speculation: SpecOptions = SpecOptions(),
+                    runtime: RuntimeOptions = RuntimeOptions(),
+                    chat: bool = False, stop=None, seed: int = 0) -> GenerateStream:
+  """`generate` as an iterator: the same arguments, checked now; iterating
+  decodes and yields each row's tokens as they are decided (`StreamChunk`),
+  and then `.result` holds what `generate` returns — the same tokens at the
+  same seed, and its stats (`decode_seconds` leaves out the time the loop's
+  body took between chunks; it is in `other_seconds`)."""
+  return GenerateStream(_start(target, prompts, drafter=drafter, parallel_drafter=parallel_drafter, mode=mode,
+                max_new_tokens=max_new_tokens, sampling=sampling, speculation=speculation,
+                runtime=runtime, chat=chat, stop=stop, seed=seed)(stream=True))
+
+
+def _drain(chunks):
+  """The return value of the generator `chunks`, run to its end."""
+  while True:
+    try:
+      next(chunks)
+    except StopIteration as e:
+      return e.value
+
+
+def _start(target, prompts, *, drafter, parallel_drafter, mode, max_new_tokens, sampling,
+           speculation, runtime, chat, stop, seed):
+  """Checks every input (one-line errors now, before anything slow); returns
+  `run(stream)`, a generator of StreamChunks (none unless `stream`) that
+  returns the GenerateResult."""
+  started = timing.now()
+  compile_cache.ensure()
+  timing.listen()
   mode = check_options(mode=mode, max_new_tokens=max_new_tokens, sampling=sampling,
                        speculation=speculation, runtime=runtime, stop=stop)
   if not _is_int(seed):
@@ -145,18 +223,34 @@ def generate(target, prompts: Sequence, *, drafter: Optional[Drafter] = None,
   ids = _encode_prompts(target, prompts, chat)
   stop_ids = _stop_ids(target, stop)
   batch_size = runtime.batch_size or len(ids)  # None: one batch
-  results, stats_list = [None] * len(ids), []
-  narrow = resolve_draft_dtype(speculation.draft_dtype, target.params)
-  for start in range(0, len(ids), batch_size):
-    chunk = ids[start:start + batch_size]
-    memory_maps.release_if_near_limit()
-    toks, st = _generate_batch(target, chunk, max_new_tokens, sampling, seed + start,
-                               drafter, mode, speculation, stop_ids, runtime, narrow,
-                               parallel_drafter)
-    results[start:start + len(chunk)] = toks
-    stats_list.append(st)
-  return GenerateResult(results, _texts(target.tokenizer, results),
-                        _merge_stats(stats_list, mode))
+
+  def run(stream: bool):
+    results, stats_list = [None] * len(ids), []
+    narrow = resolve_draft_dtype(speculation.draft_dtype, target.params)
+    texts = _TextStreams(target.tokenizer) if stream else None
+    for start in range(0, len(ids), batch_size):
+      chunk = ids[start:start + batch_size]
+      memory_maps.release_if_near_limit()
+      batch = _generate_batch(target, chunk, max_new_tokens, sampling, seed + start,
+                              drafter, mode, speculation, stop_ids, runtime, narrow,
+                              parallel_drafter, stream=stream)
+      while True:  # the batch's rows so far after each chunk (streaming only)
+        try:
+          rows = next(batch)
+        except StopIteration as e:
+          toks, st = e.value
+          break
+        yield from texts.update({start + r: t for r, t in rows.items()})
+      yield from texts.update({start + r: t for r, t in enumerate(toks)}, final=True) \
+          if stream else ()
+      results[start:start + len(chunk)] = toks
+      stats_list.append(st)
+    stats = _merge_stats(stats_list, mode)
+    out = GenerateResult(results, _texts(target.tokenizer, results), stats)
+    _whole_call_times(stats, started, timing.now())
+    return out
+
+  return run
 
 
 def _speculative_drafter(drafter: Drafter, target, mode: Mode, so: SpecOptions,
@@ -205,6 +299,53 @@ def _texts(tokenizer, results: list) -> list:
   if tokenizer is None:
     return [None] * len(results)
   return [tokenizer.decode(t) for t in results]
+
+
+class _TextStreams:
+  """Per row, the tokens and text streamed so far: each update yields a
+  StreamChunk for every row with new tokens. Text is the decoded tokens so
+  far, less a trailing replacement character (U+FFFD: bytes of a character
+  whose last token has not come yet), which waits for the next update; the
+  final one gives the rest, so a row's texts join to `tokenizer.decode`."""
+
+  def __init__(self, tokenizer):
+    self.tokenizer = tokenizer
+    self.tokens, self.text = {}, {}
+
+  def update(self, rows: dict, final: bool = False):
+    for r, toks in sorted(rows.items()):
+      had = self.tokens.get(r, [])
+      if len(toks) <= len(had) and not final:
+        continue
+      new_ids = list(toks[len(had):])
+      self.tokens[r] = list(toks)
+      piece = None
+      if self.tokenizer is not None:
+        text = self.tokenizer.decode(toks)
+        if not final:
+          text = text.rstrip("\ufffd")
+        shown = self.text.get(r, "")
+        piece = text[len(shown):] if text.startswith(shown) else ""
+        self.text[r] = shown + piece
+        if not new_ids and not piece:
+          continue
+      elif not new_ids:
+        continue
+      yield StreamChunk(r, new_ids, piece)
+
+
+def _whole_call_times(stats: dict, start: float, end: float):
+  """The call's seconds in `stats`, parts that add up to `seconds`: compiling
+  (every program compiled or loaded from the persistent cache, wherever it
+  happened, counted once), flex's step timing, prefill and decode (each less
+  the compiling inside it), and the rest (`other_seconds`)."""
+  stats["seconds"] = end - start
+  stats["compile_seconds"] = timing.covered(timing.compile_spans(start, end), start, end)
+  stats["programs_compiled"], stats["programs_from_cache"] = timing.programs(start, end)
+  parts = sum(stats[k] for k in ("compile_seconds", "flex_timing_seconds",
+                                 "prefill_seconds", "decode_seconds"))
+  stats["other_seconds"] = max(stats["seconds"] - parts, 0.0)
+  stats["compile_cache"] = compile_cache.folder()
 
 
 def _with_block_size(drafter: Drafter, block_size: Optional[int]) -> Drafter:
@@ -320,7 +461,10 @@ def _capacity(cfg, plens, max_new, bs, max_len):
 
 
 def _generate_batch(target, ids, max_new, sp, seed, drafter, mode, opts, stop_ids,
-                    runtime: RuntimeOptions, draft_dtype=None, parallel_drafter=None):
+                    runtime: RuntimeOptions, draft_dtype=None, parallel_drafter=None,
+                    stream: bool = False):
+  """A generator: prefills and decodes one batch; with `stream` it yields
+  {row: its tokens so far} after each chunk. Returns (tokens, stats)."""
   cfg = target.config
   mesh = sharding.batch_mesh()
   B, Bp = len(ids), sharding.padded_batch(len(ids), mesh)
@@ -344,21 +488,30 @@ def _generate_batch(target, ids, max_new, sp, seed, drafter, mode, opts, stop_id
   drafter = None if drafter is None else drafter._replace(params=dparams)
   static = dict(cfg=cfg, dcfg=dcfg, sp=sp, attn_impl=runtime.attn_impl)
   traced = dict(max_new=jnp.int32(max_new), stop_ids=_stop_array(stop_ids))
-  timing.listen()
-  t0 = time.perf_counter()
+  t0 = timing.now()
   state = prefill_batch(target.params, dparams, prompt, plen, valid,
                    jax.random.PRNGKey(seed), S=S, out_len=S,  # max_new < S; shapes need only S
                    cache_sharding=sharding.cache_sharding(mesh), **static, **traced)
   jax.block_until_ready(state)
-  t1, w1 = time.perf_counter(), timing.now()
+  t1 = w1 = timing.now()
   driver = Driver(target, drafter, mode, opts, static, traced, Bp, S,
                   steps_per_call=runtime.steps_per_call, mesh=mesh,
                   parallel_drafter=parallel_drafter)
-  state = jax.block_until_ready(driver.run(state, max_new))
+  paused = []  # (start, end): the caller held the stream
+  for state in driver.chunks(state, max_new, stream=stream):
+    if stream:
+      t = timing.now()
+      yield {r: x for r, x in driver.rows_so_far(state).items() if r < B}
+      paused.append((t, timing.now()))
+  state = jax.block_until_ready(state)
   w2 = timing.now()
-  # Decode time leaves out compiling and flex's one-time step-cost timing.
+  # Decode time leaves out compiling, flex's one-time step-cost timing and
+  # the time the caller of a stream held it; each span is counted once.
   compiling = timing.compile_spans(w1, w2)
-  excluded = timing.covered(compiling + driver.timing_spans, w1, w2)
+  in_prefill = timing.covered(timing.compile_spans(t0, t1), t0, t1)
+  compile_in_decode = timing.covered(compiling, w1, w2)
+  not_decoding = timing.covered(compiling + driver.timing_spans, w1, w2)
+  excluded = timing.covered(compiling + driver.timing_spans + paused, w1, w2)
   hist = np.asarray(state.accept_hist)
   tokens = driver.outputs_in_order(state, Bp)[:B]
   new_tokens = sum(len(t) for t in tokens)
@@ -366,9 +519,10 @@ def _generate_batch(target, ids, max_new, sp, seed, drafter, mode, opts, stop_id
   steps = int(np.asarray(state.steps))
   committed = int((hist * np.arange(len(hist))).sum())
   stats = {
-      "prefill_seconds": t1 - t0, "decode_seconds": max(w2 - w1 - excluded, 1e-9),
-      "compile_seconds": timing.covered(compiling, w1, w2),
-      "flex_timing_seconds": timing.covered(driver.timing_spans, w1, w2),
+      "prefill_seconds": max(t1 - t0 - in_prefill, 0.0),
+      "decode_seconds": max(w2 - w1 - excluded, 1e-9),
+      "compile_seconds": in_prefill + compile_in_decode,
+      "flex_timing_seconds": not_decoding - compile_in_decode,
       "new_tokens": new_tokens, "decode_tokens": decode_tokens, "steps": steps,
       "committed_tokens": committed, "verified_row_steps": int(hist.sum()),
       "accept_hist": hist.tolist(), "batch_size": B,
