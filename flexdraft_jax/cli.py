@@ -5,7 +5,12 @@
 
 Each flag is a generate() option: `--max-new-tokens` is `max_new_tokens`,
 `--verify-len` is `speculation.verify_len`. Switches: `--chat`, `--json`,
-`--draft-sampling`. Bad input prints one `error: …` line before the model loads.
+`--stream` (each row's text as it is decided), `--draft-sampling`. Bad input
+prints one `error: …` line before the model loads. Compiled programs are kept
+between runs (`--compile_cache`). The last line gives the command's seconds
+since it started, in parts that add up: startup (imports), load, compile
+(programs compiled, and loaded from the cache), flex timing its steps,
+prefill, decode, other.
 """
 
 from __future__ import annotations

@@ -11,16 +11,18 @@ from flexdraft_jax.model.config import FlexDraftError
 
 
 def define_compile_cache_flag() -> None:
-  """`--compile_cache`, every command's: where compiled programs are kept."""
+  """`--compile_cache`, every command's: where compiled programs are kept.
+  (Re)defined at its default: a process may run several commands."""
   from absl import flags
 
   from flexdraft_jax import compile_cache
-  if "compile_cache" not in flags.FLAGS:
-    flags.DEFINE_string(
-        "compile_cache", None,
-        "folder of JAX's persistent compilation cache, or 'off' (default: "
-        f"${compile_cache.ENV}, else {compile_cache.default_root()}; one subfolder "
-        "per JAX version and machine)")
+  if "compile_cache" in flags.FLAGS:
+    delattr(flags.FLAGS, "compile_cache")
+  flags.DEFINE_string(
+      "compile_cache", None,
+      "folder of JAX's persistent compilation cache, or 'off' (default: "
+      f"${compile_cache.ENV}, else {compile_cache.default_root()}; one subfolder "
+      "per JAX version and machine)")
 
 
 def use_compile_cache_flag() -> None:

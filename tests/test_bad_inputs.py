@@ -109,6 +109,14 @@ CASES = [
         "error: --max-len=6 is too short: a prompt of 2 tokens + --max-new-tokens=8 needs "
         "13 (with 3 spare positions for the decode steps); raise it, or leave it unset",
         model=True),
+    cli("generate", "`--stream --json` (text as it comes, or one object at the end)",
+        ["generate", *GEN, "--stream", "--json"],
+        "error: --stream prints the text as it comes, --json one object at the end: "
+        "pass one of them"),
+    cli("generate", "`--compile_cache` a file (it would be written into)",
+        ["generate", *GEN, "--compile_cache", "{d}/afile"],
+        "error: the compile cache {d}/afile is not a folder (set another with "
+        "--compile_cache or $FLEXDRAFT_COMPILE_CACHE, or 'off')"),
     # ------------------------------------------------ generate() in Python ----
     api("`sampling=SamplingParams(temperature=float(\"nan\"))`",
         dict(sampling=lambda t: fd.SamplingParams(temperature=float("nan"))),
