@@ -16,7 +16,6 @@ prefill, decode, other.
 from __future__ import annotations
 
 import json
-import os
 import re
 import sys
 import time
@@ -25,27 +24,15 @@ import warnings
 from absl import flags
 
 from flexdraft_jax import cli_util
-from flexdraft_jax.decoding import options
+from flexdraft_jax.decoding import options, timing
 from flexdraft_jax.decoding.verify import STRATEGIES
 from flexdraft_jax.model.config import FlexDraftError, FlexDraftWarning
 
 PROG = "python -m flexdraft_jax generate"
 
 
-def process_started() -> float:
-  """When this process started (time.time()'s clock): its start in clock ticks
-  since boot (Linux's /proc/self/stat) against the boot clock; elsewhere, now."""
-  try:
-    with open("/proc/self/stat") as f:
-      ticks = int(f.read().rsplit(")", 1)[1].split()[19])
-    age = time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
-    return time.time() - max(age, 0.0)
-  except (OSError, ValueError, IndexError, AttributeError):
-    return time.time()
-
-
 # When the command started: the process's start, imports included.
-STARTED = [process_started()]
+STARTED = [timing.process_started()]
 PROMPT_KEYS = ("prompt", "question", "text", "problem")
 
 

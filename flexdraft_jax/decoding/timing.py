@@ -7,6 +7,7 @@ compile time of a window is the length of the union of the spans in it.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -87,3 +88,15 @@ def tokens_per_second(decode_tokens: int, decode_seconds: float) -> float:
   by decode steps (each row's first token comes from prefill and is not one)
   per second of decoding, compiling and flex's step-cost timing left out."""
   return decode_tokens / max(decode_seconds, 1e-9)
+
+
+def process_started() -> float:
+  """When this process started (time.time()'s clock): its start in clock ticks
+  since boot (Linux's /proc/self/stat) against the boot clock; elsewhere, now."""
+  try:
+    with open("/proc/self/stat") as f:
+      ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+    age = time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
+    return time.time() - max(age, 0.0)
+  except (OSError, ValueError, IndexError, AttributeError):
+    return time.time()
