@@ -112,3 +112,27 @@ def test_a_file_is_not_a_cache_folder(tmp_path):
   with pytest.raises(FlexDraftError, match="is not a folder"):
     compile_cache.use_compile_cache(str(f))
   assert f.read_text() == "mine"
+
+
+def test_flex_takes_its_first_costs_from_another_cache_length(tmp_path, monkeypatch):
+  """Timing compiles every variant it times: where the cost cache holds this
+  batch shape at another cache length, flex starts from those costs."""
+  import flexdraft_jax as fd
+  from flexdraft_jax.decoding import driver, step_costs
+  from tests.decoding_util import random_drafter, tiny_target
+  monkeypatch.setattr(step_costs, "_COSTS_IN_MEMORY", {})
+  target = tiny_target()
+  drafter = random_drafter(target, block_size=4, noise=0.5)
+  kw = dict(max_new_tokens=8, drafter=drafter, mode="flex",
+            speculation=fd.SpecOptions(cost_cache=str(tmp_path / "costs.json")))
+  first = fd.generate(target, [[3, 4, 5]], runtime=fd.RuntimeOptions(max_len=256), **kw)
+  timed, real = [], driver.Driver._time
+  monkeypatch.setattr(driver.Driver, "_time",
+                      lambda self, *a, **k: timed.append(a[1:]) or real(self, *a, **k))
+  out = fd.generate(target, [[3, 4, 5]], runtime=fd.RuntimeOptions(max_len=384), **kw)
+  assert timed == []
+  assert out.stats["step_costs"]["1"] == first.stats["step_costs"]["1"]
+  assert out.stats["flex_timing_seconds"] == 0
+  # another batch size has no costs to start from: it is timed
+  fd.generate(target, [[3, 4, 5], [6, 7]], runtime=fd.RuntimeOptions(max_len=384), **kw)
+  assert timed
