@@ -431,6 +431,14 @@ def _cached(cache, key, trees: tuple, make):
   return hit[1]
 
 
+# Each cache length and padded prompt length is a program to compile (or load):
+# requests up to MIN_CACHE_LEN positions share that one length (the attention
+# over the extra empty slots is a small part of a step), and prompts are padded
+# to a multiple of PROMPT_PAD.
+MIN_CACHE_LEN = 2 * KV_BLOCK
+PROMPT_PAD = 64
+
+
 def _capacity(cfg, plens, max_new, bs, max_len):
   """The KV-cache length: `max_len` (rounded up to KV_BLOCK) or what the
   request needs. The model's context bounds prompt + new tokens either way; a
@@ -444,8 +452,9 @@ def _capacity(cfg, plens, max_new, bs, max_len):
     raise FlexDraftError(
         f"prompt of {longest} tokens + max_new_tokens={max_new} exceeds the "
         f"model's context of {cfg.max_position_embeddings}")
-  if max_len is None:
-    return round_up(need, KV_BLOCK)
+  if max_len is None:  # short requests share one length: one set of programs
+    most = round_up(cfg.max_position_embeddings + 2 * bs + 1, KV_BLOCK)
+    return max(round_up(need, KV_BLOCK), min(MIN_CACHE_LEN, most))
   if max_len < need:
     raise FlexDraftError(
         f"runtime.max_len={max_len} is too short: a prompt of {longest} tokens + max_new_tokens="
@@ -471,7 +480,7 @@ def _generate_batch(target, ids, max_new, sp, seed, drafter, mode, opts, stop_id
   plens = [len(x) for x in ids] + [1] * (Bp - len(ids))  # pad rows start done
   bs = drafter.config.block_size if drafter is not None else 1
   S = _capacity(cfg, plens, max_new, bs, runtime.max_len)
-  prompt = np.zeros((Bp, round_up(max(plens), 32)), np.int32)
+  prompt = np.zeros((Bp, round_up(max(plens), PROMPT_PAD)), np.int32)
   for i, x in enumerate(ids):
     prompt[i, :len(x)] = x
   prompt, plen, valid = sharding.put_batch(
