@@ -45,8 +45,9 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--max-new-tokens", type=int, default=64)
   p.add_argument("--batch-size", type=int, default=1,
                  help="prompts decoded together (1: one at a time)")
-  p.add_argument("--repeats", type=int, default=3,
-                 help="timed runs per mode (their spread is the noise a speedup must beat)")
+  p.add_argument("--repeats", type=int, default=2,
+                 help="timed runs per mode (their spread is the noise a speedup must beat; "
+                 "each AR run decodes every prompt anew: the command's time grows with it)")
   p.add_argument("--compile-cache", default=None,
                  help="folder of JAX's persistent compilation cache, or 'off' (default: "
                  "$FLEXDRAFT_COMPILE_CACHE, else $XDG_CACHE_HOME/flexdraft_jax/xla)")
@@ -61,15 +62,18 @@ def _timed(fd, target, ids, drafter, mode, args) -> tuple:
             speculation=fd.SpecOptions(threshold=args.threshold if mode != Mode.AR
                                        else 0.0),
             runtime=fd.RuntimeOptions(batch_size=args.batch_size))
-  rates, first = [], None
+  rates, runs = [], []
   t = time.perf_counter()
   for _ in range(args.repeats):
     res = fd.generate(target, ids, **kw)
     rates.append(res.stats["tokens_per_second"])
-    first = first or res.stats
+    runs.append(res.stats)
   spent = time.perf_counter() - t
-  setup = first["compile_seconds"] + first["flex_timing_seconds"]
-  print(f"  {mode:>10}: {spent:5.1f}s in all (compiling and timing steps {setup:.1f}s), "
+  total = lambda k: sum(r[k] for r in runs)
+  setup = total("compile_seconds") + total("flex_timing_seconds")
+  print(f"  {mode:>10}: {spent:5.1f}s in all (compiling and timing steps {setup:.1f}s: "
+        f"{total('programs_compiled')} programs compiled, {total('programs_from_cache')} "
+        "loaded from the compile cache), "
         f"decode {res.stats['decode_seconds']:6.2f}s a run, {_median(rates):7.1f} tok/s "
         f"(runs: {', '.join(f'{r:.1f}' for r in rates)}), τ={res.stats['tau']:.2f}",
         flush=True)
