@@ -122,3 +122,29 @@ def test_stream_can_stop_early(target):
   assert stream.result is None
   with pytest.raises(StopIteration):
     next(stream)
+
+
+def test_cli_streams_and_its_seconds_add_up_to_the_command(tmp_path):
+  import os
+  import re
+  import subprocess
+  import sys
+  import time
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env = dict(os.environ, FLEXDRAFT_COMPILE_CACHE=str(tmp_path / "xla"))
+  t = time.time()
+  r = subprocess.run([sys.executable, "-m", "flexdraft_jax", "generate", "--model",
+                      "random:tiny", "--prompt", "hi", "--max-new-tokens", "40", "--stream"],
+                     cwd=repo, env=env, capture_output=True, text=True, timeout=600)
+  wall = time.time() - t
+  assert r.returncode == 0, r.stderr[-2000:]
+  assert r.stdout.startswith("### hi\n")
+  line = r.stderr.strip().splitlines()[-1]
+  m = re.match(r"([\d.]+)s in all: startup ([\d.]+)s, load ([\d.]+)s, compile ([\d.]+)s "
+               r"\((\d+) programs compiled, (\d+) loaded from the cache [^)]*\), "
+               r"prefill ([\d.]+)s, decode ([\d.]+)s, other ([\d.]+)s$", line)
+  assert m, line
+  total, *parts = (float(m.group(i)) for i in (1, 2, 3, 4, 7, 8, 9))
+  assert abs(sum(parts) - total) <= 0.05 * len(parts)  # each printed to 0.1 s or better
+  assert total <= wall  # the parts never overlap: they fit in the process
+  assert int(m.group(5)) > 0

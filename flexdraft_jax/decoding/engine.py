@@ -150,9 +150,10 @@ def generate(target, prompts: Sequence, *, drafter: Optional[Drafter] = None,
   `prefill_seconds`, `decode_seconds` and `other_seconds` (tokenising, weight
   layouts, moving rows), summed in `seconds`.
   """
-  return _drain(_start(target, prompts, drafter=drafter, parallel_drafter=parallel_drafter, mode=mode,
-                max_new_tokens=max_new_tokens, sampling=sampling, speculation=speculation,
-                runtime=runtime, chat=chat, stop=stop, seed=seed)(stream=False))
+  run = _start(target, prompts, drafter=drafter, parallel_drafter=parallel_drafter,
+               mode=mode, max_new_tokens=max_new_tokens, sampling=sampling,
+               speculation=speculation, runtime=runtime, chat=chat, stop=stop, seed=seed)
+  return _drain(run(stream=False))
 
 
 def generate_stream(target, prompts: Sequence, *, drafter: Optional[Drafter] = None,
@@ -167,9 +168,10 @@ def generate_stream(target, prompts: Sequence, *, drafter: Optional[Drafter] = N
   and then `.result` holds what `generate` returns — the same tokens at the
   same seed, and its stats (`decode_seconds` leaves out the time the loop's
   body took between chunks; it is in `other_seconds`)."""
-  return GenerateStream(_start(target, prompts, drafter=drafter, parallel_drafter=parallel_drafter, mode=mode,
-                max_new_tokens=max_new_tokens, sampling=sampling, speculation=speculation,
-                runtime=runtime, chat=chat, stop=stop, seed=seed)(stream=True))
+  run = _start(target, prompts, drafter=drafter, parallel_drafter=parallel_drafter,
+               mode=mode, max_new_tokens=max_new_tokens, sampling=sampling,
+               speculation=speculation, runtime=runtime, chat=chat, stop=stop, seed=seed)
+  return GenerateStream(run(stream=True))
 
 
 def _drain(chunks):
@@ -241,8 +243,8 @@ def _start(target, prompts, *, drafter, parallel_drafter, mode, max_new_tokens, 
           toks, st = e.value
           break
         yield from texts.update({start + r: t for r, t in rows.items()})
-      yield from texts.update({start + r: t for r, t in enumerate(toks)}, final=True) \
-          if stream else ()
+      if stream:  # the rest of each row's text
+        yield from texts.update({start + r: t for r, t in enumerate(toks)}, final=True)
       results[start:start + len(chunk)] = toks
       stats_list.append(st)
     stats = _merge_stats(stats_list, mode)
