@@ -9,7 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from flexdraft_jax import checks
-from flexdraft_jax.decoding.engine import GenerateResult, generate  # noqa: F401
+from flexdraft_jax.compile_cache import use_compile_cache  # noqa: F401
+from flexdraft_jax.decoding.engine import (GenerateResult, GenerateStream,  # noqa: F401
+                                           StreamChunk, generate, generate_stream)
 from flexdraft_jax.decoding.options import Mode, RuntimeOptions, SpecOptions  # noqa: F401
 from flexdraft_jax.decoding.sampling import SamplingParams  # noqa: F401
 from flexdraft_jax.model import transformer
@@ -26,6 +28,7 @@ def load_target(spec: str, dtype: str = "float32", layout: str = "stacked"):
   weights once, where a "stacked" target (what training needs) also gets a
   per-layer copy the first time it decodes.
   """
+  from flexdraft_jax import compile_cache
   from flexdraft_jax.drafter.checkpoint import drafter_folder_target
   from flexdraft_jax.model import loading
   made_for = drafter_folder_target(spec)
@@ -34,6 +37,7 @@ def load_target(spec: str, dtype: str = "float32", layout: str = "stacked"):
         f"{spec} is a drafter folder (it holds drafter.json), not a target: load it with "
         f"fd.load_drafter({str(spec)!r}, target), the target from fd.load_target("
         f"{made_for or 'TARGET'!r})")
+  compile_cache.ensure()  # the persistent compilation cache, unless chosen otherwise
   return loading.load_target(spec, dtype, layout)
 
 
@@ -59,4 +63,6 @@ def target_logits(target, token_ids) -> jax.Array:
                          f"{ids.shape} of {ids.dtype}")
   if ids.size and (ids.min() < 0 or ids.max() >= target.config.vocab_size):
     raise FlexDraftError(f"token ids must be in [0, {target.config.vocab_size})")
+  from flexdraft_jax import compile_cache
+  compile_cache.ensure()
   return _logits(target.params, jnp.asarray(ids, jnp.int32), cfg=target.config)

@@ -5,7 +5,12 @@
 
 Each flag is a generate() option: `--max-new-tokens` is `max_new_tokens`,
 `--verify-len` is `speculation.verify_len`. Switches: `--chat`, `--json`,
-`--draft-sampling`. Bad input prints one `error: …` line before the model loads.
+`--stream` (each row's text as it is decided), `--draft-sampling`. Bad input
+prints one `error: …` line before the model loads. Compiled programs are kept
+between runs (`--compile_cache`). The last line gives the command's seconds
+since it started, in parts that add up: startup (imports), load, compile
+(programs compiled, and loaded from the cache), flex timing its steps,
+prefill, decode, other.
 """
 
 from __future__ import annotations
@@ -13,16 +18,21 @@ from __future__ import annotations
 import json
 import re
 import sys
+import time
 import warnings
 
 from absl import flags
 
 from flexdraft_jax import cli_util
-from flexdraft_jax.decoding import options
+from flexdraft_jax.decoding import options, timing
 from flexdraft_jax.decoding.verify import STRATEGIES
 from flexdraft_jax.model.config import FlexDraftError, FlexDraftWarning
 
 PROG = "python -m flexdraft_jax generate"
+
+
+# When the command started: the process's start, imports included.
+STARTED = [timing.process_started()]
 PROMPT_KEYS = ("prompt", "question", "text", "problem")
 
 
@@ -86,6 +96,7 @@ FLAGS = (  # (absl DEFINE_*, name as generate() spells it, default, help[, enum 
      "KV-cache length (default: longest prompt + max new tokens + blocks)"),
     ("enum", "attn_impl", "xla", "attention kernels", options.ATTN_IMPLS),
     ("bool", "json", False, "print one JSON object"),
+    ("bool", "stream", False, "print each row's text as its tokens are decided"),
 )
 
 
@@ -174,6 +185,7 @@ def main(argv) -> int:
   """Generates for the flags in `argv` (no program name); bad input raises
   FlexDraftError."""
   define_flags()
+  cli_util.define_compile_cache_flag()
   try:
     rest = flags.FLAGS([PROG] + list(argv))
   except flags.Error as e:
@@ -190,6 +202,9 @@ def _main(rest) -> int:
     prompts += _read_prompts_file(args.prompts_file)
   if not prompts:
     raise FlexDraftError("no prompts: pass --prompt TEXT or --prompts-file F.jsonl")
+  if args.stream and args.json:
+    raise FlexDraftError("--stream prints the text as it comes, --json one object at the "
+                         "end: pass one of them")
   # Every check that needs no model runs before the (slow) model load.
   names = OPTION_FLAGS + ("max_new_tokens", "stop", "seed")
   try:
@@ -222,33 +237,80 @@ def _main(rest) -> int:
                          "to generate() in Python")
   import flexdraft_jax as fd  # heavy imports after argument checks
 
+  loading_started = time.time()
   target = fd.load_target(args.model, dtype=args.dtype, layout="layers")
   drafter = fd.load_drafter(args.drafter, target) if mode != options.Mode.AR else None
   parallel_drafter = (fd.load_drafter(args.parallel_drafter, target)
                       if args.parallel_drafter and mode in (options.Mode.PARALLEL,
                                                             options.Mode.FLEX) else None)
+  loaded = time.time()
   with warnings.catch_warnings():  # printed above, once
     warnings.simplefilter("ignore", FlexDraftWarning)
     try:
-      result = fd.generate(target, prompts, seed=args.seed, drafter=drafter,
-                           parallel_drafter=parallel_drafter, chat=args.chat, **kw)
+      call = dict(seed=args.seed, drafter=drafter, parallel_drafter=parallel_drafter,
+                  chat=args.chat, **kw)
+      if args.stream:
+        result = _stream(fd.generate_stream(target, prompts, **call), prompts)
+      else:
+        result = fd.generate(target, prompts, **call)
     except FlexDraftError as e:
       raise FlexDraftError(_flag_names(str(e), names, lead=False)) from None
+  times = command_times(result.stats, loading_started, loaded)
   if args.json:
     print(json.dumps({
         "outputs": [{"prompt": p, "token_ids": t, "text": x}
                     for p, t, x in zip(prompts, result.token_ids, result.texts)],
-        "stats": result.stats}))
+        "stats": result.stats, "command_seconds": times}))
   else:
-    for p, x in zip(prompts, result.texts):
-      print(f"### {p}\n{x}\n")
+    if not args.stream:
+      for p, x in zip(prompts, result.texts):
+        print(f"### {p}\n{x}\n")
     s = result.stats
-    left_out = s["compile_seconds"] + s["flex_timing_seconds"]
     print(f"[{s['mode']}] {s['new_tokens']} tokens, decode {s['decode_seconds']:.2f}s "
-          f"({s['tokens_per_second']:.1f} tok/s), steps={s['steps']}, τ={s['tau']:.2f}"
-          + (f"; {left_out:.1f}s compiling/timing steps not counted" if left_out >= 0.05
-             else ""), file=sys.stderr)
+          f"({s['tokens_per_second']:.1f} tok/s), steps={s['steps']}, τ={s['tau']:.2f}\n"
+          + times_line(times, s), file=sys.stderr)
   return 0
+
+
+def _stream(stream, prompts):
+  """Prints each row's text as it comes (a `### prompt` line where the row
+  changes); returns the GenerateResult."""
+  last = None
+  for piece in stream:
+    if piece.row != last:
+      print(("\n\n" if last is not None else "") + f"### {prompts[piece.row]}", flush=True)
+      last = piece.row
+    print(piece.text, end="", flush=True)
+  print("\n", flush=True)
+  return stream.result
+
+
+def command_times(stats: dict, loading_started: float, loaded: float) -> dict:
+  """The command's seconds since it started, in parts that add up to it:
+  startup (imports, checks), loading the model and drafters, and generate's
+  parts (`stats`); what came after generate (printing) goes to `other`."""
+  end = time.time()
+  total = end - STARTED[0]
+  out = {"seconds": total, "startup": loading_started - STARTED[0],
+         "load": loaded - loading_started}
+  for k in ("compile", "flex_timing", "prefill", "decode"):
+    out[k] = stats[f"{k}_seconds"]
+  out["other"] = max(total - sum(v for k, v in out.items() if k != "seconds"), 0.0)
+  return out
+
+
+def times_line(times: dict, stats: dict) -> str:
+  """The command's time and its parts, one line."""
+  cache = stats.get("compile_cache")
+  compiled = (f" ({stats['programs_compiled']} programs compiled, "
+              f"{stats['programs_from_cache']} loaded from "
+              + (f"the cache {cache})" if cache else "no cache: off)"))
+  return (f"{times['seconds']:.1f}s in all: startup {times['startup']:.1f}s, load "
+          f"{times['load']:.1f}s, compile {times['compile']:.1f}s{compiled}, "
+          + (f"flex timing steps {times['flex_timing']:.1f}s, "
+             if times["flex_timing"] >= 0.05 else "")
+          + f"prefill {times['prefill']:.2f}s, decode {times['decode']:.2f}s, other "
+          f"{times['other']:.1f}s")
 
 
 def run(argv):

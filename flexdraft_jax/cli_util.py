@@ -10,10 +10,40 @@ from flexdraft_jax import run_control
 from flexdraft_jax.model.config import FlexDraftError
 
 
+def define_compile_cache_flag() -> None:
+  """`--compile_cache`, every command's: where compiled programs are kept.
+  (Re)defined at its default: a process may run several commands."""
+  from absl import flags
+
+  from flexdraft_jax import compile_cache
+  if "compile_cache" in flags.FLAGS:
+    delattr(flags.FLAGS, "compile_cache")
+  flags.DEFINE_string(
+      "compile_cache", None,
+      "folder of JAX's persistent compilation cache, or 'off' (default: "
+      f"${compile_cache.ENV}, else {compile_cache.default_root()}; one subfolder "
+      "per JAX version and machine)")
+
+
+def use_compile_cache_flag() -> None:
+  """The persistent compilation cache as `--compile_cache` says (given), or
+  the environment's / default one."""
+  from absl import flags
+
+  from flexdraft_jax import compile_cache
+  flag = flags.FLAGS["compile_cache"]
+  if flag.present:
+    compile_cache.use_compile_cache(flag.value)
+  else:
+    compile_cache.ensure()
+
+
 def run_main(main, argv, doc: str = "", key_flags=("config", "workdir")):
   """Runs `main` under absl; user errors print one line and exit 1. `--help`
   shows `doc` and the `key_flags` (absl lists only the main module's own)."""
   from absl import flags
+  define_compile_cache_flag()
+  key_flags = tuple(key_flags) + ("compile_cache",)
   for name in key_flags:
     if name in flags.FLAGS:
       flags.FLAGS.register_key_flag_for_module(sys.argv[0], flags.FLAGS[name])
@@ -26,6 +56,7 @@ def run_main(main, argv, doc: str = "", key_flags=("config", "workdir")):
     started.append(True)
     try:
       with run_control.stop_on_signals():
+        use_compile_cache_flag()
         return main(args)
     except (FlexDraftError, FileNotFoundError) as e:
       print(f"error: {e}", file=sys.stderr)

@@ -119,6 +119,14 @@ CASES = [
     cli("generate", "`--seed 18446744073709551616` (2**64: an OverflowError after decoding)",
         ["generate", *GEN, "--seed", str(2 ** 64)],
         "error: --seed must fit 64 bits (-2**63 <= seed < 2**64), got 18446744073709551616"),
+    cli("generate", "`--stream --json` (text as it comes, or one object at the end)",
+        ["generate", *GEN, "--stream", "--json"],
+        "error: --stream prints the text as it comes, --json one object at the end: "
+        "pass one of them"),
+    cli("generate", "`--compile_cache` a file (it would be written into)",
+        ["generate", *GEN, "--compile_cache", "{d}/afile"],
+        "error: the compile cache {d}/afile is not a folder (set another with "
+        "--compile_cache or $FLEXDRAFT_COMPILE_CACHE, or 'off')"),
     # ------------------------------------------------ generate() in Python ----
     api("`sampling=SamplingParams(temperature=float(\"nan\"))`",
         dict(sampling=lambda t: fd.SamplingParams(temperature=float("nan"))),

@@ -6,6 +6,7 @@ import csv
 import gzip
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -363,6 +364,7 @@ def test_demo_runs_and_reports_speedup(tmp_path):
   assert "speedup over AR:" in out.stdout and "outputs identical to AR: True" in out.stdout
   assert "decoding 3 prompts (batch 1)" in out.stdout   # one at a time by default
   assert "steps per mode: parallel " in out.stdout and "(τ " in out.stdout
+  assert re.search(r"the whole command: \d+\.\ds \(4 generate calls of 3 prompts", out.stdout)
 
 
 def test_demo_says_what_flex_chose_and_what_its_chunks_measured():

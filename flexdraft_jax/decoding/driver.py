@@ -90,13 +90,21 @@ class Driver:
 
   def run(self, state, max_new: int):
     """Runs to the end; returns the final state (rows in `self.row_ids` order)."""
+    for state in self.chunks(state, max_new):
+      pass
+    return state
+
+  def chunks(self, state, max_new: int, stream: bool = False):
+    """Runs to the end, yielding the state after each chunk (the last one is
+    the final state). `stream`: AR chunks of at most `steps_per_call` steps, so
+    the tokens come out as they are decided (the same tokens either way)."""
     steps = int(state.steps)
     if self.policy:
       self.policy.max_new = max_new
     while True:
       done = np.asarray(state.done_B)
       if done.all():
-        return state
+        return
       state = self._maybe_compact(state, done)
       if self.mode == Mode.AR or (self.policy and self.policy.sticky_ar(
           self.modes[-1][0] if self.modes else None)):
@@ -109,6 +117,8 @@ class Driver:
         # Plain AR runs exactly as the `ar` mode does: one device loop, or
         # chunks of AR_CHUNK while compaction can still shrink the batch.
         n = AR_CHUNK if self.B >= COMPACT_MIN else max_new
+        if stream:
+          n = min(n, self.steps_per_call)
       else:  # with θ > 0 the host picks the bucket every step
         n = 1 if selective else self.steps_per_call
       if self.policy:  # flex: probes are short, and so is AR until the next one
@@ -129,6 +139,7 @@ class Driver:
                             seconds=time.perf_counter() - start,
                             compiled=bool(timing.compile_spans(wall, timing.now())))
       self._record(mode, k, done_steps)
+      yield state
 
   def _choose(self, state, live: int, groups: int) -> tuple:
     """(mode, k) for the next chunk; `groups` is what selective verification
@@ -160,6 +171,12 @@ class Driver:
     if self.policy:
       self.policy.shape_changed()
     return state
+
+  def rows_so_far(self, state) -> dict:
+    """{original row: its tokens so far} of the rows in `state` (the rows
+    compacted away were done: their tokens are in `self.outputs`)."""
+    out, n_out = np.asarray(state.out_BxO), np.asarray(state.n_out_B)
+    return {int(r): out[i, :n_out[i]].tolist() for i, r in enumerate(self.row_ids)}
 
   def outputs_in_order(self, state, num_rows: int) -> list:
     """Every original row's tokens (rows compacted away included)."""

@@ -6,7 +6,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import inspect
-import time
 import warnings
 from typing import Optional, Sequence
 
@@ -14,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from flexdraft_jax import checks
+from flexdraft_jax import checks, compile_cache
 from flexdraft_jax.decoding import flex, memory_maps, sharding, timing
 from flexdraft_jax.decoding.chunk import prefill_batch
 from flexdraft_jax.decoding.driver import Driver
@@ -36,6 +35,41 @@ class GenerateResult:
   token_ids: list      # per prompt: new ids, up to and including a stop token
   texts: list
   stats: dict
+
+
+@dataclasses.dataclass
+class StreamChunk:
+  """Tokens of one row that were just decided: `row` (the prompt's index),
+  its new `token_ids`, and their `text` (None without a tokenizer). A row's
+  texts joined are its `GenerateResult.texts` entry; text that ends inside a
+  multi-byte character waits for the token that completes it."""
+  row: int
+  token_ids: list
+  text: Optional[str]
+
+
+class GenerateStream:
+  """What `generate_stream` returns: iterate it for `StreamChunk`s as rows
+  commit tokens; once it is exhausted, `result` is the `GenerateResult` that
+  `generate` would have returned (the same tokens, texts and stats)."""
+
+  def __init__(self, chunks):
+    self._chunks = chunks
+    self.result: Optional[GenerateResult] = None
+
+  def __iter__(self):
+    return self
+
+  def __next__(self) -> StreamChunk:
+    try:
+      return next(self._chunks)
+    except StopIteration as e:
+      self.result = e.value
+      raise StopIteration from None
+
+  def close(self):
+    """Stops decoding (what is not decoded yet never is)."""
+    self._chunks.close()
 
 
 def _encode_prompts(target, prompts, chat: bool):
@@ -113,17 +147,60 @@ def generate(target, prompts: Sequence, *, drafter: Optional[Drafter] = None,
   block size and draft vocabulary (the drafts in flight pass between them).
   `seed`: any integer that fits 64 bits (each batch's key from seed + its
   first prompt's index, wrapping at 2**64).
-  Returns GenerateResult(token_ids, texts, stats).
-
-  Every argument's type is checked first (checks.py); a keyword of the earlier
-  API (`temperature=`, `batch_size=`, …) gets a line naming its option group.
+  Returns GenerateResult(token_ids, texts, stats). The stats' seconds add up
+  to the call: `compile_seconds` (every program compiled or loaded, once),
+  `flex_timing_seconds` (flex timing its steps, its compiling left out),
+  `prefill_seconds`, `decode_seconds` and `other_seconds` (tokenising, weight
+  layouts, moving rows), summed in `seconds`.
   """
+  run = _start(target, prompts, drafter=drafter, parallel_drafter=parallel_drafter,
+               mode=mode, max_new_tokens=max_new_tokens, sampling=sampling,
+               speculation=speculation, runtime=runtime, chat=chat, stop=stop, seed=seed)
+  return _drain(run(stream=False))
+
+
+def generate_stream(target, prompts: Sequence, *, drafter: Optional[Drafter] = None,
+                    parallel_drafter: Optional[Drafter] = None,
+                    mode: str = "ar", max_new_tokens: int = 128,
+                    sampling: SamplingParams = SamplingParams(),
+                    speculation: SpecOptions = SpecOptions(),
+                    runtime: RuntimeOptions = RuntimeOptions(),
+                    chat: bool = False, stop=None, seed: int = 0,
+                    **unknown) -> GenerateStream:
+  """`generate` as an iterator: the same arguments, checked now; iterating
+  decodes and yields each row's tokens as they are decided (`StreamChunk`),
+  and then `.result` holds what `generate` returns — the same tokens at the
+  same seed, and its stats (`decode_seconds` leaves out the time the loop's
+  body took between chunks; it is in `other_seconds`)."""
+  run = _start(target, prompts, unknown=unknown, drafter=drafter, parallel_drafter=parallel_drafter,
+               mode=mode, max_new_tokens=max_new_tokens, sampling=sampling,
+               speculation=speculation, runtime=runtime, chat=chat, stop=stop, seed=seed)
+  return GenerateStream(run(stream=True))
+
+
+def _drain(chunks):
+  """The return value of the generator `chunks`, run to its end."""
+  while True:
+    try:
+      next(chunks)
+    except StopIteration as e:
+      return e.value
+
+
+def _start(target, prompts, *, unknown, drafter, parallel_drafter, mode, max_new_tokens,
+           sampling, speculation, runtime, chat, stop, seed):
+  """Checks every input (one-line errors now, before anything slow); returns
+  `run(stream)`, a generator of StreamChunks (none unless `stream`) that
+  returns the GenerateResult."""
+  started = timing.now()
   check_keywords(unknown, _ARGS, dict(sampling=sampling, speculation=speculation,
                                       runtime=runtime))
   checks.check_loaded("target", target, Target, "fd.load_target({})")
   for name, value in (("drafter", drafter), ("parallel_drafter", parallel_drafter)):
     if value is not None:
       checks.check_loaded(name, value, Drafter, "fd.load_drafter({}, target)")
+  compile_cache.ensure()
+  timing.listen()
   mode = check_options(mode=mode, max_new_tokens=max_new_tokens, sampling=sampling,
                        speculation=speculation, runtime=runtime, stop=stop, chat=chat,
                        seed=seed)
@@ -158,19 +235,34 @@ def generate(target, prompts: Sequence, *, drafter: Optional[Drafter] = None,
   ids = _encode_prompts(target, prompts, chat)
   stop_ids = _stop_ids(target, stop)
   batch_size = runtime.batch_size or len(ids)  # None: one batch
-  results, stats_list = [None] * len(ids), []
-  narrow = resolve_draft_dtype(speculation.draft_dtype, target.params)
-  for start in range(0, len(ids), batch_size):
-    chunk = ids[start:start + batch_size]
-    memory_maps.release_if_near_limit()
-    toks, st = _generate_batch(target, chunk, max_new_tokens, sampling,
-                               seed_key(seed, start),
-                               drafter, mode, speculation, stop_ids, runtime, narrow,
-                               parallel_drafter, tree_top)
-    results[start:start + len(chunk)] = toks
-    stats_list.append(st)
-  return GenerateResult(results, _texts(target.tokenizer, results),
-                        _merge_stats(stats_list, mode))
+
+  def run(stream: bool):
+    results, stats_list = [None] * len(ids), []
+    narrow = resolve_draft_dtype(speculation.draft_dtype, target.params)
+    texts = _TextStreams(target.tokenizer) if stream else None
+    for start in range(0, len(ids), batch_size):
+      chunk = ids[start:start + batch_size]
+      memory_maps.release_if_near_limit()
+      batch = _generate_batch(target, chunk, max_new_tokens, sampling,
+                              seed_key(seed, start), drafter, mode, speculation, stop_ids,
+                              runtime, narrow, parallel_drafter, tree_top, stream=stream)
+      while True:  # the batch's rows so far after each chunk (streaming only)
+        try:
+          rows = next(batch)
+        except StopIteration as e:
+          toks, st = e.value
+          break
+        yield from texts.update({start + r: t for r, t in rows.items()})
+      if stream:  # the rest of each row's text
+        yield from texts.update({start + r: t for r, t in enumerate(toks)}, final=True)
+      results[start:start + len(chunk)] = toks
+      stats_list.append(st)
+    stats = _merge_stats(stats_list, mode)
+    out = GenerateResult(results, _texts(target.tokenizer, results), stats)
+    _whole_call_times(stats, started, timing.now())
+    return out
+
+  return run
 
 
 _ARGS = tuple(inspect.signature(generate).parameters)[2:-1]  # its keyword arguments
@@ -262,6 +354,53 @@ def _texts(tokenizer, results: list) -> list:
   return [tokenizer.decode(t) for t in results]
 
 
+class _TextStreams:
+  """Per row, the tokens and text streamed so far: each update yields a
+  StreamChunk for every row with new tokens. Text is the decoded tokens so
+  far, less a trailing replacement character (U+FFFD: bytes of a character
+  whose last token has not come yet), which waits for the next update; the
+  final one gives the rest, so a row's texts join to `tokenizer.decode`."""
+
+  def __init__(self, tokenizer):
+    self.tokenizer = tokenizer
+    self.tokens, self.text = {}, {}
+
+  def update(self, rows: dict, final: bool = False):
+    for r, toks in sorted(rows.items()):
+      had = self.tokens.get(r, [])
+      if len(toks) <= len(had) and not final:
+        continue
+      new_ids = list(toks[len(had):])
+      self.tokens[r] = list(toks)
+      piece = None
+      if self.tokenizer is not None:
+        text = self.tokenizer.decode(toks)
+        if not final:
+          text = text.rstrip("\ufffd")
+        shown = self.text.get(r, "")
+        piece = text[len(shown):] if text.startswith(shown) else ""
+        self.text[r] = shown + piece
+        if not new_ids and not piece:
+          continue
+      elif not new_ids:
+        continue
+      yield StreamChunk(r, new_ids, piece)
+
+
+def _whole_call_times(stats: dict, start: float, end: float):
+  """The call's seconds in `stats`, parts that add up to `seconds`: compiling
+  (every program compiled or loaded from the persistent cache, wherever it
+  happened, counted once), flex's step timing, prefill and decode (each less
+  the compiling inside it), and the rest (`other_seconds`)."""
+  stats["seconds"] = end - start
+  stats["compile_seconds"] = timing.covered(timing.compile_spans(start, end), start, end)
+  stats["programs_compiled"], stats["programs_from_cache"] = timing.programs(start, end)
+  parts = sum(stats[k] for k in ("compile_seconds", "flex_timing_seconds",
+                                 "prefill_seconds", "decode_seconds"))
+  stats["other_seconds"] = max(stats["seconds"] - parts, 0.0)
+  stats["compile_cache"] = compile_cache.folder()
+
+
 def _with_block_size(drafter: Drafter, block_size: Optional[int]) -> Drafter:
   """A drafter may decode with a smaller block than it was trained with."""
   trained = drafter.config.block_size
@@ -351,6 +490,14 @@ def spare_positions(bs: int, tree_budget=None) -> int:
   return max(2 * bs, tree_budget or 0) + 1
 
 
+# Each cache length and padded prompt length is a program to compile (or load):
+# requests up to MIN_CACHE_LEN positions share that one length (the attention
+# over the extra empty slots is a small part of a step), and prompts are padded
+# to a multiple of PROMPT_PAD.
+MIN_CACHE_LEN = 2 * KV_BLOCK
+PROMPT_PAD = 64
+
+
 def _capacity(cfg, plens, max_new, bs, max_len, tree_budget=0):
   """The KV-cache length: `max_len` (rounded up to KV_BLOCK) or what the
   request needs. The model's context bounds prompt + new tokens either way; a
@@ -365,8 +512,9 @@ def _capacity(cfg, plens, max_new, bs, max_len, tree_budget=0):
     raise FlexDraftError(
         f"prompt of {longest} tokens + max_new_tokens={max_new} exceeds the "
         f"model's context of {cfg.max_position_embeddings}")
-  if max_len is None:
-    return round_up(need, KV_BLOCK)
+  if max_len is None:  # short requests share one length: one set of programs
+    most = round_up(cfg.max_position_embeddings + spare, KV_BLOCK)
+    return max(round_up(need, KV_BLOCK), min(MIN_CACHE_LEN, most))
   if max_len < need:
     raise FlexDraftError(
         f"runtime.max_len={max_len} is too short: a prompt of {longest} tokens + max_new_tokens="
@@ -383,7 +531,9 @@ def _capacity(cfg, plens, max_new, bs, max_len, tree_budget=0):
 
 def _generate_batch(target, ids, max_new, sp, key, drafter, mode, opts, stop_ids,
                     runtime: RuntimeOptions, draft_dtype=None, parallel_drafter=None,
-                    tree_top=0):
+                    tree_top=0, stream: bool = False):
+  """A generator: prefills and decodes one batch; with `stream` it yields
+  {row: its tokens so far} after each chunk. Returns (tokens, stats)."""
   cfg = target.config
   mesh = sharding.batch_mesh()
   B, Bp = len(ids), sharding.padded_batch(len(ids), mesh)
@@ -391,7 +541,7 @@ def _generate_batch(target, ids, max_new, sp, key, drafter, mode, opts, stop_ids
   bs = drafter.config.block_size if drafter is not None else 1
   S = _capacity(cfg, plens, max_new, bs, runtime.max_len,
                 opts.tree_budget if tree_top else 0)
-  prompt = np.zeros((Bp, round_up(max(plens), 32)), np.int32)
+  prompt = np.zeros((Bp, round_up(max(plens), PROMPT_PAD)), np.int32)
   for i, x in enumerate(ids):
     prompt[i, :len(x)] = x
   prompt, plen, valid = sharding.put_batch(
@@ -408,22 +558,31 @@ def _generate_batch(target, ids, max_new, sp, key, drafter, mode, opts, stop_ids
   drafter = None if drafter is None else drafter._replace(params=dparams)
   static = dict(cfg=cfg, dcfg=dcfg, sp=sp, attn_impl=runtime.attn_impl)
   traced = dict(max_new=jnp.int32(max_new), stop_ids=_stop_array(stop_ids))
-  timing.listen()
-  t0 = time.perf_counter()
+  t0 = timing.now()
   state = prefill_batch(target.params, dparams, prompt, plen, valid,
                    key, S=S, out_len=S,  # max_new < S; shapes need only S
                    cache_sharding=sharding.cache_sharding(mesh), tree_top=tree_top,
                    **static, **traced)
   jax.block_until_ready(state)
-  t1, w1 = time.perf_counter(), timing.now()
+  t1 = w1 = timing.now()
   driver = Driver(target, drafter, mode, opts, static, traced, Bp, S,
                   steps_per_call=runtime.steps_per_call, mesh=mesh,
                   parallel_drafter=parallel_drafter)
-  state = jax.block_until_ready(driver.run(state, max_new))
+  paused = []  # (start, end): the caller held the stream
+  for state in driver.chunks(state, max_new, stream=stream):
+    if stream:
+      t = timing.now()
+      yield {r: x for r, x in driver.rows_so_far(state).items() if r < B}
+      paused.append((t, timing.now()))
+  state = jax.block_until_ready(state)
   w2 = timing.now()
-  # Decode time leaves out compiling and flex's one-time step-cost timing.
+  # Decode time leaves out compiling, flex's one-time step-cost timing and
+  # the time the caller of a stream held it; each span is counted once.
   compiling = timing.compile_spans(w1, w2)
-  excluded = timing.covered(compiling + driver.timing_spans, w1, w2)
+  in_prefill = timing.covered(timing.compile_spans(t0, t1), t0, t1)
+  compile_in_decode = timing.covered(compiling, w1, w2)
+  not_decoding = timing.covered(compiling + driver.timing_spans, w1, w2)
+  excluded = timing.covered(compiling + driver.timing_spans + paused, w1, w2)
   hist = np.asarray(state.accept_hist)
   tokens = driver.outputs_in_order(state, Bp)[:B]
   new_tokens = sum(len(t) for t in tokens)
@@ -431,9 +590,10 @@ def _generate_batch(target, ids, max_new, sp, key, drafter, mode, opts, stop_ids
   steps = int(np.asarray(state.steps))
   committed = int((hist * np.arange(len(hist))).sum())
   stats = {
-      "prefill_seconds": t1 - t0, "decode_seconds": max(w2 - w1 - excluded, 1e-9),
-      "compile_seconds": timing.covered(compiling, w1, w2),
-      "flex_timing_seconds": timing.covered(driver.timing_spans, w1, w2),
+      "prefill_seconds": max(t1 - t0 - in_prefill, 0.0),
+      "decode_seconds": max(w2 - w1 - excluded, 1e-9),
+      "compile_seconds": in_prefill + compile_in_decode,
+      "flex_timing_seconds": not_decoding - compile_in_decode,
       "new_tokens": new_tokens, "decode_tokens": decode_tokens, "steps": steps,
       "committed_tokens": committed, "verified_row_steps": int(hist.sum()),
       "accept_hist": hist.tolist(), "batch_size": B,

@@ -544,6 +544,15 @@ class FlexPolicy:
     return ("parallel_drafter", d.num_layers, d.calib_rank,
             f"rescore{d.rescore_top}" if d.rescores else "no_rescore")
 
+  def _nearest_length(self, table: dict, B: int, S: int):
+    """The cache length nearest S whose costs at batch B (all else of the key
+    alike) `table` holds, or None."""
+    prefix, suffix = self.cost_key(B, "\0").split("\0")
+    lengths = [int(k[len(prefix):len(k) - len(suffix)]) for k in table
+               if k.startswith(prefix) and k.endswith(suffix)
+               and k[len(prefix):len(k) - len(suffix)].isdigit()]
+    return min(lengths, key=lambda s: (abs(s - S), -s)) if lengths else None
+
   def measure(self, state, B: int, S: int, again: bool = False) -> dict:
     """Seconds per step at this batch shape: AR, and each speculative mode at
     the shortest and longest verify length (the rest interpolated linearly in
@@ -552,6 +561,14 @@ class FlexPolicy:
     key, table = self.cost_key(B, S), step_costs.read_costs(self.cost_path)
     if key in table and not again:
       return table[key]
+    near = None if again else self._nearest_length(table, B, S)
+    if near is not None:
+      # Timing compiles every variant it times; the costs at another cache
+      # length of this batch shape predict this one's first choice, and the
+      # chunks correct them (or, RETIME off, have the steps timed after all).
+      print(f"flex: step costs at batch {B} from the cache length {near} (this request's "
+            f"{S} is not timed unless decoding runs off them)", file=sys.stderr, flush=True)
+      return table[self.cost_key(B, near)]
     start = time.time()
     ends = {m: sorted({ks[0], ks[-1]}) for m, ks in self.families}
     plan = [(Mode.AR, 0)] + [(m, k) for m, _ in self.families for k in ends[m]]
