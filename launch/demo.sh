@@ -3,7 +3,7 @@
 # AR vs the best speculative mode (flex), texts, τ and the measured speedup.
 #
 # usage: bash launch/demo.sh [--max-new-tokens N] [--mode parallel|sequential|flex] [--batch-size B]
-#                            [--drafter DIR] [--threshold θ]
+#                            [--drafter DIR] [--threshold θ] [--tree-budget N]
 # env:   FLEXDRAFT_VENV=DIR   use this virtualenv instead of .venv (made if missing)
 #        FLEXDRAFT_SETUP=1    rerun launch/setup.sh even when the install looks complete
 set -euo pipefail

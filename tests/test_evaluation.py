@@ -379,6 +379,11 @@ def test_demo_says_what_flex_chose_and_what_its_chunks_measured():
   assert lines[1] == ("  its chunks, predicted / measured: "
                       "sequential:8 ×8 steps 60.0 / 42.0 tok/s")
   assert demo.flex_lines({}) == []
+  trees = {"flex_choices": {"1": {"choice": ["tree", 16], "tokens_per_s": {
+      "ar": 30.0, "sequential:8": 50.0, "tree:16": 55.0}}}}
+  assert demo.flex_lines(trees)[0] == ("flex at batch 1 chose tree (draft trees of 16 "
+                                       "nodes): predicted 55.0 tok/s (sequential:8 50.0, "
+                                       "ar 30.0)")
 
 
 def test_demo_speedup_below_run_to_run_noise_reads_about_1x():

@@ -152,9 +152,12 @@ def generate(target, prompts: Sequence, *, drafter: Optional[Drafter] = None,
   `flex_timing_seconds` (flex timing its steps, its compiling left out),
   `prefill_seconds`, `decode_seconds` and `other_seconds` (tokenising, weight
   layouts, moving rows), summed in `seconds`.
+
+  Every argument's type is checked first (checks.py); a keyword of the earlier
+  API (`temperature=`, `batch_size=`, …) gets a line naming its option group.
   """
-  run = _start(target, prompts, drafter=drafter, parallel_drafter=parallel_drafter,
-               mode=mode, max_new_tokens=max_new_tokens, sampling=sampling,
+  run = _start(target, prompts, unknown=unknown, drafter=drafter,
+               parallel_drafter=parallel_drafter, mode=mode, max_new_tokens=max_new_tokens, sampling=sampling,
                speculation=speculation, runtime=runtime, chat=chat, stop=stop, seed=seed)
   return _drain(run(stream=False))
 
@@ -172,8 +175,8 @@ def generate_stream(target, prompts: Sequence, *, drafter: Optional[Drafter] = N
   and then `.result` holds what `generate` returns — the same tokens at the
   same seed, and its stats (`decode_seconds` leaves out the time the loop's
   body took between chunks; it is in `other_seconds`)."""
-  run = _start(target, prompts, unknown=unknown, drafter=drafter, parallel_drafter=parallel_drafter,
-               mode=mode, max_new_tokens=max_new_tokens, sampling=sampling,
+  run = _start(target, prompts, unknown=unknown, drafter=drafter,
+               parallel_drafter=parallel_drafter, mode=mode, max_new_tokens=max_new_tokens, sampling=sampling,
                speculation=speculation, runtime=runtime, chat=chat, stop=stop, seed=seed)
   return GenerateStream(run(stream=True))
 

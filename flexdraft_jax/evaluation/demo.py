@@ -19,7 +19,7 @@ import argparse
 import sys
 import time
 
-from flexdraft_jax.decoding.options import MODES, Mode
+from flexdraft_jax.decoding.options import MODES, TREE, Mode
 from flexdraft_jax.evaluation import benchmarks
 from flexdraft_jax.model.config import FlexDraftError
 
@@ -42,6 +42,9 @@ def _parser() -> argparse.ArgumentParser:
                  help="drafter directory (relative: cwd, then the repo)")
   p.add_argument("--mode", default="flex", choices=MODES[1:])
   p.add_argument("--threshold", type=float, default=0.01, help="selective verification θ")
+  p.add_argument("--tree-budget", type=int, default=0,
+                 help="draft trees of up to N nodes (sequential, and flex's choices among "
+                 "8, 16, … N); 0: chains only")
   p.add_argument("--max-new-tokens", type=int, default=64)
   p.add_argument("--batch-size", type=int, default=1,
                  help="prompts decoded together (1: one at a time)")
@@ -60,7 +63,9 @@ def _timed(fd, target, ids, drafter, mode, args) -> tuple:
   result, tokens/s of each run)."""
   kw = dict(max_new_tokens=args.max_new_tokens, drafter=drafter, mode=mode,
             speculation=fd.SpecOptions(threshold=args.threshold if mode != Mode.AR
-                                       else 0.0),
+                                       else 0.0,
+                                       tree_budget=args.tree_budget or None
+                                       if mode != Mode.AR else None),
             runtime=fd.RuntimeOptions(batch_size=args.batch_size))
   rates, runs = [], []
   t = time.perf_counter()
@@ -109,8 +114,9 @@ def flex_lines(stats: dict) -> list:
     pred = c["tokens_per_s"]
     best = f"{mode}:{k}" if k else mode
     others = sorted(pred.items(), key=lambda x: -x[1])[:4]
-    lines.append(f"flex at batch {rows} chose {mode}" + (f" verifying up to {k - 1} drafts"
-                 if k else "") + f": predicted {pred[best]:.1f} tok/s ("
+    what = (f" (draft trees of {k} nodes)" if mode == TREE else
+            f" verifying up to {k - 1} drafts" if k else "")
+    lines.append(f"flex at batch {rows} chose {mode}{what}: predicted {pred[best]:.1f} tok/s ("
                  + ", ".join(f"{m} {v:.1f}" for m, v in others if m != best) + ")")
     if c.get("chunks"):  # what the decoding chunks really did, against the prediction
       lines.append("  its chunks, predicted / measured: " + ", ".join(
@@ -123,6 +129,11 @@ def main(argv=None) -> int:
   args = _parser().parse_args(argv)
   if args.max_new_tokens < 1 or args.repeats < 2 or args.batch_size < 1:
     raise FlexDraftError("--max-new-tokens and --batch-size must be >= 1 and --repeats >= 2")
+  if args.tree_budget < 0 or args.tree_budget == 1:
+    raise FlexDraftError(f"--tree-budget must be 0 (chains) or an integer >= 2, got "
+                         f"{args.tree_budget}")
+  if args.tree_budget and args.mode == Mode.PARALLEL:
+    raise FlexDraftError("--tree-budget runs in mode sequential or flex, not parallel")
   if not 0 <= args.threshold <= 1:
     raise FlexDraftError(f"--threshold must be in [0, 1], got {args.threshold}")
   import jax
