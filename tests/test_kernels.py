@@ -17,7 +17,6 @@ import pytest
 from flexdraft_jax.kernels import attend_pallas
 from flexdraft_jax.kernels import attention as kattn
 from flexdraft_jax.model import attention
-from flexdraft_jax.model.config import FlexDraftError
 
 NAMES = ("q", "k", "v", "lim", "xk", "xv", "qg", "kg")
 ALL = ("q", "k", "v", "xk", "xv")
@@ -311,7 +310,7 @@ def test_tree_refuses_gradients_and_malformed_ancestors():
   inp, lim, tree = _tree_case([list(range(-1, 3))], [2], S=16)
   args = (inp["q"], inp["k"], inp["v"], jnp.asarray(lim, jnp.int32))
   loss = lambda q: jnp.sum(attend_pallas(q, *args[1:], tree=tree, interpret=True))
-  with pytest.raises(FlexDraftError, match="no backward with a draft tree"):
+  with pytest.raises(NotImplementedError, match="no backward with a draft tree"):
     jax.grad(loss)(args[0])
   with pytest.raises(ValueError, match=r"needs ancestors \[1, 4, 4\], got \(1, 3, 3\)"):
     attend_pallas(*args, tree=(tree[0], tree[1][:, :3, :3]), interpret=True)

@@ -67,7 +67,6 @@ from flexdraft_jax.kernels import _common as C
 from flexdraft_jax.kernels import _platform
 from flexdraft_jax.kernels._col import col_call
 from flexdraft_jax.kernels._row import row_call
-from flexdraft_jax.model.config import FlexDraftError
 from flexdraft_jax.util import ceil_div, round_up
 
 # (block_q, block_k, block_e) per backend.
@@ -175,8 +174,8 @@ def _core_fwd(cfg, q, k, v, xk, xv, ints):
   q, k, v, xk, xv = map(val, (q, k, v, xk, xv))
   ints = jax.tree.map(val, ints)
   if cfg.tree_nodes and any(need):
-    raise FlexDraftError("attend_pallas has no backward with a draft tree "
-                         "(tree=...): differentiate attend_xla instead")
+    raise NotImplementedError("attend_pallas has no backward with a draft tree "
+                              "(tree=...): differentiate attend_xla instead")
   out, lse = _fwd(cfg, q, k, v, xk, xv, ints)
   return out, (need, q, k, v, xk, xv, ints, out, lse)
 
@@ -236,7 +235,7 @@ def attend_pallas(q_BxTxNxD, k_BxKxSxD, v_BxKxSxD, limit_BxT,
 
   `tree` = (start_B, anc_BxTxT): the queries are a draft tree's rows, as in
   `attend_xla` (forward only: differentiating through a tree raises
-  FlexDraftError; `attend_xla` has the gradient).
+  NotImplementedError; `attend_xla` has the gradient).
   """
   q = q_BxTxNxD
   B, T, N, D = q.shape
