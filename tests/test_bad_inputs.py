@@ -289,6 +289,13 @@ CASES = [
         ["offline-accept", "--fit_temperature", "--limit=1"],
         "error: --fit_temperature needs --limit >= 2 (it fits on the first half of the "
         "prompts and reports the second)"),
+    cli("offline-accept", "`--fit_out` without `--fit_temperature` (nothing to write)",
+        ["offline-accept", "--fit_out={d}/fitted"],
+        "error: --fit_out needs --fit_temperature and one drafter in --drafters"),
+    cli("offline-accept", "`--fit_out` an existing file (would be written over)",
+        ["offline-accept", "--fit_temperature", "--fit_out={d}/afile"],
+        "error: --fit_out {d}/afile exists: offline-accept writes a new drafter directory "
+        "and replaces nothing; pass another --fit_out"),
     cli("offline-accept", "a `--drafters` folder that does not exist",
         ["offline-accept", "--drafters={d}/nope"],
         "error: --drafters: no drafter at {d}/nope (not a directory)"),

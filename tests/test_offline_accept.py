@@ -9,6 +9,7 @@ import pytest
 
 from flexdraft_jax import generate
 from flexdraft_jax.decoding.sampling import SamplingParams
+from flexdraft_jax.model.config import FlexDraftError
 from flexdraft_jax.training import offline_accept, offline_tau
 from tests import decoding_util as du
 
@@ -126,3 +127,33 @@ def test_fit_grid_and_ratios_reach_the_scores(answered):
   assert fitted["point"] == r["point"]      # argmax drafts do not see the ratio
   assert ratios[0.7] != [1.0] * 3 and all(
       a > b for a, b in zip(g.max(0), r["sampled"][0]["acc"]))
+
+
+def test_decoding_samples_drafts_at_the_fitted_slot_temperatures():
+  # draft_tokens' q (and so the drafts and their verification) is
+  # softmax(logits / (T·r_j)), r_j interpolated in T; argmax drafts unchanged.
+  import dataclasses
+  from flexdraft_jax.decoding import state
+  from flexdraft_jax.drafter import model as drafter_model
+  target = du.tiny_target()
+  d = du.random_drafter(target, block_size=4, noise=0.5)
+  fitted = d._replace(config=dataclasses.replace(
+      d.config, draft_temperature=[[1.0, [0.5, 1.0, 2.0]], [0.5, [1.0, 1.0, 1.0]]]))
+  assert fitted.config.draft_temperature == ((1.0, (0.5, 1.0, 2.0)), (0.5, (1.0, 1.0, 1.0)))
+  hm = jax.random.normal(jax.random.PRNGKey(0), (2, 4, 32))
+  bonus = jnp.asarray([3, 9], jnp.int32)
+  lg = np.asarray(drafter_model.draft_logits(target.params, target.config, d, hm[:, 1:],
+                                             jnp.broadcast_to(bonus[:, None], (2, 3))))
+  key = jax.random.PRNGKey(1)
+  for T, r in ((0.75, [0.75, 1.0, 1.5]), (2.0, [0.5, 1.0, 2.0]), (0.3, [1.0, 1.0, 1.0])):
+    sp = SamplingParams(temperature=T, draft_sampling=True)
+    q = np.asarray(state.draft_tokens(target.params, target.config, fitted, hm, bonus, sp,
+                                      key).q_BxDxV)
+    np.testing.assert_allclose(q, _softmax(lg / (T * np.asarray(r))[:, None]), atol=1e-5)
+  greedy = lambda dr, sp: np.asarray(state.draft_tokens(
+      target.params, target.config, dr, hm, bonus, sp, key).ids_BxD)
+  for sp in (SamplingParams(), SamplingParams(temperature=1.0)):
+    np.testing.assert_array_equal(greedy(fitted, sp), greedy(d, sp))
+  with pytest.raises(FlexDraftError, match="draft_temperature entry"):
+    dataclasses.replace(d.config, draft_temperature=[[1.0, [1.0, 1.0]]]).validate(
+        target.config)

@@ -39,6 +39,8 @@ prompts; the table then reports the second half, before (r = 1) and after.
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 # Draft-temperature ratios `--fit_temperature` tries: 2^(k/8) for k = -16..16.
@@ -52,22 +54,38 @@ def expected_accept(t_logits_xV, d_logits_xW, sp, vocab_W=None, ratio=1.0):
   sampled under (greedy: both are 1 where the argmax draft is the target's
   argmax); `ratio`: the drafts' temperature relative to sp's (broadcasts
   against the rows)."""
-  import jax
   import jax.numpy as jnp
-
-  from flexdraft_jax.decoding.sampling import processed_logits
   ids = (lambda i: i) if vocab_W is None else (lambda i: jnp.take(vocab_W, i))
   draft_id = ids(jnp.argmax(d_logits_xW, axis=-1))
   if sp.greedy:
     hit = (draft_id == jnp.argmax(t_logits_xV, axis=-1)).astype(jnp.float32)
     return hit, hit
+  p_xV, p_xW = target_probs(t_logits_xV, sp, vocab_W)
+  point = jnp.take_along_axis(p_xV, draft_id[..., None], axis=-1)[..., 0]
+  return point, sampled_accept(p_xW, d_logits_xW, sp, ratio)
+
+
+def target_probs(t_logits_xV, sp, vocab_W=None):
+  """p_T over the vocabulary and over the draft vocabulary's ids (not
+  renormalised: the mass off it can never be matched)."""
+  import jax
+  import jax.numpy as jnp
+
+  from flexdraft_jax.decoding.sampling import processed_logits
   p = jax.nn.softmax(processed_logits(t_logits_xV, sp), axis=-1)
-  point = jnp.take_along_axis(p, draft_id[..., None], axis=-1)[..., 0]
-  if vocab_W is not None:  # q is 0 off the draft vocabulary
-    p = jnp.take(p, vocab_W, axis=-1)
+  return p, (p if vocab_W is None else jnp.take(p, vocab_W, axis=-1))
+
+
+def sampled_accept(p_xW, d_logits_xW, sp, ratio=1.0):
+  """Σ min(p, q) for drafts sampled as decoding samples them: q =
+  softmax(processed_logits(logits / ratio)) (`state.draft_tokens`)."""
+  import jax
+  import jax.numpy as jnp
+
+  from flexdraft_jax.decoding.sampling import processed_logits
   q = jax.nn.softmax(processed_logits(d_logits_xW / jnp.asarray(ratio)[..., None], sp),
                      axis=-1)
-  return point, jnp.sum(jnp.minimum(p, q), axis=-1)
+  return jnp.sum(jnp.minimum(p_xW, q), axis=-1)
 
 
 def accept_fn(target, drafter, temperatures, fit: bool = False):
@@ -89,18 +107,29 @@ def accept_fn(target, drafter, temperatures, fit: bool = False):
     lg, valid, pos = d["logits_BxKxSxV"], d["valid_BxKxS"], d["pos_BxKxS"]
     B, K, S, _ = lg.shape
     vocab = d["draft"].get("vocab")
+    ids = (lambda i: i) if vocab is None else (lambda i: jnp.take(vocab, i))
+    draft_id = ids(jnp.argmax(lg, axis=-1))                     # [B, K, S]
     t_all = transformer.logits(target_params, cfg, d["h_clean"])  # [B, T, V]
-    prev = jnp.clip(pos.reshape(B, K * S) - 1, 0, t_all.shape[1] - 1)
-    t_lg = jnp.take_along_axis(t_all, prev[..., None], axis=1).reshape(B, K, S, -1)
+    # p for the token at mask position p is read at p - 1 (per position once,
+    # then gathered: anchors' slots share positions)
+    prev = jnp.clip(pos - 1, 0, t_all.shape[1] - 1)
+    rows = lambda x: jnp.take_along_axis(x, prev.reshape(B, K * S)[..., None],
+                                         axis=1).reshape(B, K, S, -1)
     out = {"point": [], "sampled": [], "grid": [], "valid": valid}
     for i, T in enumerate(temperatures):
       sp = SamplingParams(temperature=T)
-      pt, sa = expected_accept(t_lg, lg, sp, vocab, ratio_TxS[i])
+      if T == 0:
+        pt = sa = (draft_id == rows(jnp.argmax(t_all, -1)[..., None])[..., 0]).astype(
+            jnp.float32)
+      else:
+        p_V, p_W = target_probs(t_all, sp, vocab)
+        p_W = rows(p_W)
+        pt = p_V[jnp.arange(B)[:, None, None], prev, draft_id]
+        sa = sampled_accept(p_W, lg, sp, ratio_TxS[i])
       out["point"].append(pt * valid)
       out["sampled"].append(sa * valid)
       if fit and T > 0:
-        g = jax.lax.map(lambda r: jnp.sum(
-            expected_accept(t_lg, lg, sp, vocab, r)[1] * valid, axis=(0, 1)),
+        g = jax.lax.map(lambda r: jnp.sum(sampled_accept(p_W, lg, sp, r) * valid, axis=(0, 1)),
                         jnp.asarray(RATIO_GRID))
         out["grid"].append(g)
       elif fit:
@@ -135,18 +164,23 @@ def score(target, drafter, prompts: list, answers: list, max_new_tokens: int = 1
   """Per temperature T (in order) and kind ("point", "sampled"): per-slot mean
   expected acceptance `acc` (slots 1..S), `uniform_tau` and `walk_tau` of
   `drafter` over the answers, and `anchors`. `ratios`: `{T: [r_1..r_S]}`,
-  the sampled drafts' temperature per slot relative to T (default 1). `fit`:
+  the sampled drafts' temperature per slot relative to T (1 where a T is not
+  in it; default: the drafter's own, `DrafterConfig.draft_temperature`). `fit`:
   also `grid` `{T: [G, S]}`, the mean sampled acceptance at each ratio of
   RATIO_GRID. `blind`: parallel mode's drafting (offline_tau.score)."""
   import jax
 
+  from flexdraft_jax.drafter.model import draft_temperature_ratios
   from flexdraft_jax.training import offline_tau
   S = drafter.config.block_size - 1
   temperatures = tuple(float(t) for t in temperatures)
   ratio_TxS = np.ones((len(temperatures), S), np.float32)
   for i, T in enumerate(temperatures):
-    if ratios and T in ratios:
-      ratio_TxS[i] = ratios[T]
+    stored = draft_temperature_ratios(drafter.config, T, S)
+    if ratios is not None:
+      ratio_TxS[i] = ratios.get(T, 1.0)
+    elif stored is not None:
+      ratio_TxS[i] = stored
   fn = accept_fn(target, drafter, temperatures, fit)
   nT = len(temperatures)
   sums = {k: np.zeros((nT, S)) for k in ("point", "sampled")}
@@ -185,6 +219,21 @@ def fitted_ratios(grid_by_T: dict) -> dict:
   the highest mean sampled acceptance (`score(..., fit=True)["grid"]`)."""
   return {T: [RATIO_GRID[int(i)] for i in np.argmax(g, axis=0)]
           for T, g in grid_by_T.items()}
+
+
+def write_fitted(out: str, source: str, drafter, target, ratios: dict) -> str:
+  """A copy of the drafter at `source` (loaded as `drafter`) in the new
+  directory `out`, its config holding `ratios` as `draft_temperature`; its
+  training record is the source's."""
+  import dataclasses
+
+  from flexdraft_jax.drafter import checkpoint
+  dcfg = dataclasses.replace(drafter.config, draft_temperature=tuple(
+      (float(T), tuple(float(r) for r in rs)) for T, rs in sorted(ratios.items())))
+  dcfg.validate(target.config)
+  training = checkpoint.read_meta(source).get("training", {})
+  return checkpoint.save_drafter(out, drafter._replace(config=dcfg), target,
+                                 training=training)
 
 
 def table_header(S: int) -> str:
@@ -228,12 +277,19 @@ def run(argv):
   from flexdraft_jax import cli_util
   from flexdraft_jax.training import offline_tau
   names = ("drafters", "datasets", "limit", "max_new_tokens", "batch_size", "answers",
-           "data_dir", "model", "blind", "temperatures", "fit_temperature")
+           "data_dir", "model", "blind", "temperatures", "fit_temperature", "fit_out",
+           "sampled_answers")
   offline_tau.define_flags(names)
   flags.DEFINE_list("temperatures", ["0", "0.7", "1"], "sampling temperatures")
   flags.DEFINE_bool("fit_temperature", False, "fit a draft temperature per slot and T > 0 "
                     "on the first half of each dataset's prompts; report the second half "
                     "before and after")
+  flags.DEFINE_bool("sampled_answers", False, "score each T > 0 on the target's answers "
+                    "sampled at T (seed 0; cached beside the greedy ones) instead of its "
+                    "greedy answers")
+  flags.DEFINE_string("fit_out", "", "with --fit_temperature and one drafter: write a copy "
+                      "of it holding the fitted draft temperatures (its config's "
+                      "draft_temperature) to this new directory")
   FLAGS = flags.FLAGS
 
   def main(args):
@@ -246,41 +302,69 @@ def run(argv):
     if FLAGS.fit_temperature and FLAGS.limit == 1:
       raise FlexDraftError("--fit_temperature needs --limit >= 2 (it fits on the first half "
                            "of the prompts and reports the second)")
+    if FLAGS.fit_out:
+      if not FLAGS.fit_temperature or len(FLAGS.drafters) != 1:
+        raise FlexDraftError("--fit_out needs --fit_temperature and one drafter in "
+                             "--drafters")
+      if os.path.lexists(FLAGS.fit_out):
+        raise FlexDraftError(f"--fit_out {FLAGS.fit_out} exists: offline-accept writes a "
+                             "new drafter directory and replaces nothing; pass another "
+                             "--fit_out")
     import flexdraft_jax as fd
     from flexdraft_jax.evaluation import plan
-    target, sets = offline_tau.prepare(FLAGS, "offline-accept")
+    # Which answers each temperature is scored on: the greedy ones, or (with
+    # --sampled_answers) the target's answers sampled at that temperature.
+    groups = ([(T,) for T in temperatures] if FLAGS.sampled_answers else [temperatures])
+    answer_T = [g[0] if FLAGS.sampled_answers else 0.0 for g in groups]
+    target, sets = offline_tau.prepare(FLAGS, "offline-accept",
+                                       tuple(dict.fromkeys(answer_T)))
+    if len(set(answer_T)) == 1:
+      sets = {answer_T[0]: sets}
     for path in FLAGS.drafters:
       drafter = fd.load_drafter(plan.resolve_path(path), target)
       S = drafter.config.block_size - 1
       name = path + (" (blind)" if FLAGS.blind else "")
       if not FLAGS.fit_temperature:
         print(table_header(S), flush=True)
-        for ds, d in sets.items():
-          r = score(target, drafter, d["prompts"], d["answers"], FLAGS.max_new_tokens,
-                    temperatures, blind=FLAGS.blind)
-          print("\n".join(table_rows(name, f"{ds} ({len(d['prompts'])})", r)), flush=True)
+        for ds in FLAGS.datasets:
+          for temps, aT in zip(groups, answer_T):
+            d = sets[aT][ds]
+            r = score(target, drafter, d["prompts"], d["answers"], FLAGS.max_new_tokens,
+                      temps, blind=FLAGS.blind)
+            print("\n".join(table_rows(name, f"{ds} ({len(d['prompts'])})", r)), flush=True)
         continue
-      halves = {ds: (len(d["prompts"]) + 1) // 2 for ds, d in sets.items()}
+      halves = {ds: (len(d["prompts"]) + 1) // 2 for ds, d in sets[answer_T[0]].items()}
       grid = {}
-      for ds, d in sets.items():
-        h = halves[ds]
-        r = score(target, drafter, d["prompts"][:h], d["answers"][:h], FLAGS.max_new_tokens,
-                  temperatures, fit=True, blind=FLAGS.blind)
-        for T, g in r["grid"].items():  # pooled over datasets, weighted by slots
-          grid[T] = grid.get(T, 0) + g * r["anchors"]
+      for temps, aT in zip(groups, answer_T):
+        if not any(T > 0 for T in temps):
+          continue
+        for ds, d in sets[aT].items():
+          h = halves[ds]
+          r = score(target, drafter, d["prompts"][:h], d["answers"][:h],
+                    FLAGS.max_new_tokens, temps, fit=True, blind=FLAGS.blind)
+          for T, g in r["grid"].items():  # pooled over datasets, weighted by anchors
+            grid[T] = grid.get(T, 0) + g * r["anchors"]
       ratios = fitted_ratios(grid)
       print(f"{name}: draft temperature / T per slot, fitted on the first "
-            f"{'/'.join(map(str, halves.values()))} prompts of {','.join(sets)}:", flush=True)
+            f"{'/'.join(map(str, halves.values()))} prompts of {','.join(halves)}:",
+            flush=True)
       for T, rs in ratios.items():
         print(f"  T = {T:g}: " + ", ".join(f"{x:.3f}" for x in rs), flush=True)
       print(table_header(S), flush=True)
-      for ds, d in sets.items():
-        h = halves[ds]
-        held = (d["prompts"][h:], d["answers"][h:])
-        for label, rt in (("", None), (", fitted t", ratios)):
-          r = score(target, drafter, *held, FLAGS.max_new_tokens, temperatures, ratios=rt,
-                    blind=FLAGS.blind)
-          rows = table_rows(name, f"{ds} (last {len(held[0])})", r, label)
-          print("\n".join(x for x in rows if not label or "sampled" in x), flush=True)
+      for ds in FLAGS.datasets:
+        for temps, aT in zip(groups, answer_T):
+          d, h = sets[aT][ds], halves[ds]
+          held = (d["prompts"][h:], d["answers"][h:])
+          for label, rt in (("", None), (", fitted t", ratios)):
+            if label and not any(T > 0 for T in temps):
+              continue
+            r = score(target, drafter, *held, FLAGS.max_new_tokens, temps, ratios=rt,
+                      blind=FLAGS.blind)
+            rows = table_rows(name, f"{ds} (last {len(held[0])})", r, label)
+            print("\n".join(x for x in rows if not label or "sampled" in x), flush=True)
+      if FLAGS.fit_out:
+        write_fitted(FLAGS.fit_out, plan.resolve_path(path), drafter, target, ratios)
+        print(f"offline-accept: wrote the drafter with its fitted draft temperatures to "
+              f"{os.path.abspath(FLAGS.fit_out)}", flush=True)
 
   cli_util.run_main(main, argv, doc=__doc__, key_flags=names)

@@ -31,13 +31,17 @@ import numpy as np
 
 
 def benchmark_answers(target, name: str, data_dir: str, *, limit: int,
-                      max_new_tokens: int, batch_size: int, cache: str) -> dict:
+                      max_new_tokens: int, batch_size: int, cache: str,
+                      temperature: float = 0.0) -> dict:
   """{"prompts": [...], "answers": [...]} token ids of the target's greedy answers
-  to the first `limit` prompts of benchmark `name`, from the JSON file `cache`
-  or answered now (and added to it)."""
+  (`temperature` > 0: answers sampled at that temperature, seed 0) to the first
+  `limit` prompts of benchmark `name`, from the JSON file `cache` or answered
+  now (and added to it)."""
   import flexdraft_jax as fd
   from flexdraft_jax.evaluation import benchmarks
   key = f"{name}/{limit}/{max_new_tokens}/{target.fingerprint}"
+  if temperature > 0:
+    key += f"/T={temperature:g}"
   cached = read_answers(cache)
   if key in cached:
     return cached[key]
@@ -45,8 +49,11 @@ def benchmark_answers(target, name: str, data_dir: str, *, limit: int,
   rows = benchmarks.load_benchmark(name, data_dir, limit)
   prompts = [benchmarks.render(target.tokenizer, benchmarks.messages_for_turn(r, []), kw)
              for r in rows]
-  print(f"{name}: answering {len(prompts)} prompts (AR, batch {batch_size})", flush=True)
-  out = fd.generate(target, prompts, max_new_tokens=max_new_tokens,
+  how = f"sampled at T = {temperature:g}" if temperature > 0 else "greedy"
+  print(f"{name}: answering {len(prompts)} prompts (AR, {how}, batch {batch_size})",
+        flush=True)
+  out = fd.generate(target, prompts, max_new_tokens=max_new_tokens, seed=0,
+                    sampling=fd.SamplingParams(temperature=temperature),
                     runtime=fd.RuntimeOptions(batch_size=batch_size))
   cached[key] = {"prompts": prompts, "answers": [list(map(int, a)) for a in out.token_ids]}
   os.makedirs(os.path.dirname(cache) or ".", exist_ok=True)
@@ -172,10 +179,11 @@ def define_flags(names) -> None:
                     "bonus is known (a drafter's bonus input unread)")
 
 
-def prepare(FLAGS, command: str):
+def prepare(FLAGS, command: str, temperatures=(0.0,)):
   """(target, {dataset: answers}) for the parsed flags, every check that needs
   no model first (the drafters' directories and files, `--limit`, the answers
-  cache): bad input is one line before the target answers anything."""
+  cache): bad input is one line before the target answers anything. With
+  several `temperatures`, {T: {dataset: answers at T}}."""
   from flexdraft_jax.drafter import checkpoint
   from flexdraft_jax.evaluation import plan
   from flexdraft_jax.model.config import FlexDraftError
@@ -194,11 +202,12 @@ def prepare(FLAGS, command: str):
   import flexdraft_jax as fd
   target = fd.load_target(FLAGS.model)
   data_dir = FLAGS.data_dir or data_root()
-  sets = {name: benchmark_answers(target, name, data_dir, limit=FLAGS.limit,
-                                  max_new_tokens=FLAGS.max_new_tokens,
-                                  batch_size=FLAGS.batch_size, cache=answers)
-          for name in FLAGS.datasets}
-  return target, sets
+  sets = {T: {name: benchmark_answers(target, name, data_dir, limit=FLAGS.limit,
+                                      max_new_tokens=FLAGS.max_new_tokens,
+                                      batch_size=FLAGS.batch_size, cache=answers,
+                                      temperature=T)
+              for name in FLAGS.datasets} for T in temperatures}
+  return target, (sets[temperatures[0]] if len(temperatures) == 1 else sets)
 
 
 def run(argv):
