@@ -157,3 +157,35 @@ def test_decoding_samples_drafts_at_the_fitted_slot_temperatures():
   with pytest.raises(FlexDraftError, match="draft_temperature entry"):
     dataclasses.replace(d.config, draft_temperature=[[1.0, [1.0, 1.0]]]).validate(
         target.config)
+
+
+def test_command_fits_and_writes_a_drafter_that_decodes_greedy_as_before(tmp_path, capsys):
+  import flexdraft_jax as fd
+  from flexdraft_jax.drafter import checkpoint
+  from tests import data_fixture
+  target = fd.load_target("random:tiny")
+  drafter = du.random_drafter(target, block_size=4, noise=0.5)
+  src = checkpoint.save_drafter(str(tmp_path / "d"), drafter, target)
+  out = str(tmp_path / "fitted")
+  argv = ["flexdraft_jax offline-accept", "--model=random:tiny", f"--drafters={src}",
+          "--datasets=gsm8k", "--limit=3", "--max_new_tokens=8", "--temperatures=0,1",
+          f"--answers={tmp_path}/answers.json", f"--data_dir={data_fixture.write(str(tmp_path))}",
+          "--fit_temperature", f"--fit_out={out}"]
+  with pytest.raises(SystemExit) as e:
+    offline_accept.run(argv)
+  assert e.value.code in (0, None)
+  text = capsys.readouterr().out
+  rows = [x for x in text.splitlines() if x.startswith(f"| {src} | gsm8k (last 1) |")]
+  assert [x.split(" | ")[3] for x in rows] == [
+      "argmax (T = 0)", "argmax", "sampled", "sampled, fitted t"], text
+  fitted = fd.load_drafter(out, target)
+  (T, ratios), = fitted.config.draft_temperature
+  assert T == 1.0 and len(ratios) == 3 and all(r in offline_accept.RATIO_GRID for r in ratios)
+  assert f"  T = 1: {', '.join(f'{r:.3f}' for r in ratios)}" in text
+  # T = 0 (and argmax drafts at T > 0) decode exactly as the source drafter does.
+  run = lambda d, **kw: fd.generate(target, ["hello there"], max_new_tokens=12, drafter=d,
+                                    mode="sequential", stop=[], **kw)
+  a, b = run(drafter), run(fitted)
+  assert a.token_ids == b.token_ids and a.stats["steps"] == b.stats["steps"]
+  sp = fd.SamplingParams(temperature=1.0)
+  assert run(drafter, sampling=sp).token_ids == run(fitted, sampling=sp).token_ids

@@ -39,6 +39,7 @@ prompts; the table then reports the second half, before (r = 1) and after.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import numpy as np
@@ -89,6 +90,13 @@ def sampled_accept(p_xW, d_logits_xW, sp, ratio=1.0):
 
 
 def accept_fn(target, drafter, temperatures, fit: bool = False):
+  """`_accept_fn` of the target's and drafter's configs, built once per
+  process (each score() of a comparison reuses the compiled function)."""
+  return _accept_fn(target.config, drafter.config, tuple(temperatures), fit)
+
+
+@functools.lru_cache(maxsize=8)
+def _accept_fn(cfg, dcfg, temperatures, fit: bool):
   """A jitted `f(draft_params, target_params, batch, ratio_TxS)` over one
   answer's anchor blocks: `point`/`sampled` `[nT, B, K, S]` (expected
   acceptance at each temperature, 0 where a slot is past the answer), `valid`
@@ -100,7 +108,6 @@ def accept_fn(target, drafter, temperatures, fit: bool = False):
   from flexdraft_jax.decoding.sampling import SamplingParams
   from flexdraft_jax.model import transformer
   from flexdraft_jax.training import loss as loss_lib
-  cfg, dcfg = target.config, drafter.config
 
   def f(draft_params, target_params, batch, ratio_TxS):
     d = loss_lib.draft_pass(draft_params, target_params, cfg, dcfg, batch)
