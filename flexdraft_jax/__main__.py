@@ -1,6 +1,6 @@
 """`python -m flexdraft_jax COMMAND [flags]`: generate, self-instruct, regenerate,
-train, eval, and the drafter tools (add-ngram, offline-tau, learning-curve,
-build-kernel)."""
+train, eval, and the drafter tools (add-ngram, offline-tau,
+offline-accept, learning-curve, build-kernel)."""
 
 import importlib
 import sys
@@ -13,6 +13,7 @@ COMMANDS = {
     "eval": "flexdraft_jax.evaluation.sweep",
     "add-ngram": "flexdraft_jax.training.add_ngram",
     "offline-tau": "flexdraft_jax.training.offline_tau",
+    "offline-accept": "flexdraft_jax.training.offline_accept",
     "learning-curve": "flexdraft_jax.training.learning_curve",
     "build-kernel": "flexdraft_jax.kernels.cpu_matmul",
 }

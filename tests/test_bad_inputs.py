@@ -330,6 +330,28 @@ CASES = [
         ["offline-tau", "--answers={d}/list.json"],
         "error: --answers {d}/list.json is not an answers cache (it holds a JSON list of "
         "other records); it is left as it is: pass another --answers"),
+    # ----------------------------------------------------- offline-accept ----
+    cli("offline-accept", "`--temperatures=0,-1`", ["offline-accept", "--temperatures=0,-1"],
+        "error: --temperatures: '-1' is not a temperature (a number >= 0)"),
+    cli("offline-accept", "`--temperatures=warm`", ["offline-accept", "--temperatures=warm"],
+        "error: --temperatures: 'warm' is not a temperature (a number >= 0)"),
+    cli("offline-accept", "`--fit_temperature` with only T = 0 (nothing to fit)",
+        ["offline-accept", "--fit_temperature", "--temperatures=0"],
+        "error: --fit_temperature needs a temperature > 0 in --temperatures"),
+    cli("offline-accept", "`--fit_temperature --limit=1` (no prompt left to report)",
+        ["offline-accept", "--fit_temperature", "--limit=1"],
+        "error: --fit_temperature needs --limit >= 2 (it fits on the first half of the "
+        "prompts and reports the second)"),
+    cli("offline-accept", "`--fit_out` without `--fit_temperature` (nothing to write)",
+        ["offline-accept", "--fit_out={d}/fitted"],
+        "error: --fit_out needs --fit_temperature and one drafter in --drafters"),
+    cli("offline-accept", "`--fit_out` an existing file (would be written over)",
+        ["offline-accept", "--fit_temperature", "--fit_out={d}/afile"],
+        "error: --fit_out {d}/afile exists: offline-accept writes a new drafter directory "
+        "and replaces nothing; pass another --fit_out"),
+    cli("offline-accept", "a `--drafters` folder that does not exist",
+        ["offline-accept", "--drafters={d}/nope"],
+        "error: --drafters: no drafter at {d}/nope (not a directory)"),
     # ---------------------------------------------------------- add-ngram ----
     cli("add-ngram", "`--weight=nan` (wrote a drafter whose prior is NaN)",
         ["add-ngram", f"--config={TINY}", "--weight=nan", "--out={d}/ngram"],

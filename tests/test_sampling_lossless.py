@@ -171,6 +171,22 @@ def test_a_drafter_with_the_ngram_prior_samples_the_target_distribution(setup, k
   assert _chi2_pvalue(r.token_ids, exact) > 1e-3
 
 
+@pytest.mark.parametrize("mode, prior", [("sequential", True), ("parallel", False)])
+def test_a_fitted_draft_temperature_samples_the_target_distribution(setup, mode, prior):
+  # Slot j's drafts sampled at T·r_j (DrafterConfig.draft_temperature, between
+  # the two listed temperatures here): verification reads the same q.
+  import dataclasses
+  from tests.decoding_util import ngram_drafter
+  target, _, exact = setup
+  drafter = (ngram_drafter(target, block_size=4, weight=1.0) if prior
+             else bigram_drafter(target, block_size=4))
+  fitted = drafter._replace(config=dataclasses.replace(
+      drafter.config, draft_temperature=((0.5, (0.5, 2.0, 1.0)), (2.0, (0.5, 4.0, 2.0)))))
+  r = _sample(target, fitted, mode, draft_sampling=True)
+  assert _kept(r) > 1.05, _kept(r)
+  assert _chi2_pvalue(r.token_ids, exact) > 1e-3
+
+
 @pytest.mark.parametrize("block_size, budget", [(2, 4), (4, 10)])
 def test_a_draft_tree_samples_the_target_distribution(block_size, budget):
   # Siblings are point-mass drafts: a node continues where the target's sample

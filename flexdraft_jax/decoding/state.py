@@ -99,26 +99,31 @@ def draft_tokens(target_params, cfg, drafter, hm_BxbsxH, bonus_B, sp: SamplingPa
   if top:
     cand_lp, cand = jax.lax.top_k(jax.nn.log_softmax(lg.astype(jnp.float32), axis=-1), top)
     cand = jax.lax.optimization_barrier(cand.astype(jnp.int32))
+  # Sampled drafts: slot j samples softmax(logits / (T·r_j)), the drafter's
+  # fitted per-slot draft temperature (none: r_j = 1).
+  ratio_D = drafter_model.draft_temperature_ratios(drafter.config, sp.temperature,
+                                                   h.shape[1]) if sp.sampled_drafts else None
+  q_logits = lambda lg_xV, j=slice(None): processed_logits(
+      lg_xV if ratio_D is None else lg_xV / ratio_D[j, None], sp)
   if drafter.config.rescores:  # each slot re-scored given the drafts before it
     if hist_BxL is None:  # no row text known: the data's n-grams alone
       hist_BxL, bonus_at_B = jnp.zeros((h.shape[0], 0), jnp.int32), jnp.zeros_like(bonus_B)
     if sp.sampled_drafts:
       pick = lambda j, lg_BxV: jax.random.categorical(jax.random.fold_in(key, j),
-                                                      processed_logits(lg_BxV, sp))
+                                                      q_logits(lg_BxV, j))
     else:
       pick = lambda j, lg_BxV: jnp.argmax(lg_BxV, axis=-1)
     lg, idx = drafter_model.rescored_drafts(cfg, drafter, lg, bonus_B, hist_BxL, bonus_at_B,
                                             pick)
   elif sp.sampled_drafts:
-    idx = jax.random.categorical(key, processed_logits(lg, sp))
+    idx = jax.random.categorical(key, q_logits(lg))
   else:
     idx = jnp.argmax(lg, axis=-1)
   probs_max = jnp.max(jax.nn.softmax(lg, axis=-1), axis=-1)
   if not sp.sampled_drafts:
     return Drafts(to_ids(idx), probs_max, jnp.zeros(h.shape[:2] + (0,), jnp.float32),
                   cand, cand_lp)
-  q = drafter_model.to_full_vocab(drafter.params,
-                                  jax.nn.softmax(processed_logits(lg, sp), axis=-1),
+  q = drafter_model.to_full_vocab(drafter.params, jax.nn.softmax(q_logits(lg), axis=-1),
                                   cfg.vocab_size)
   return Drafts(to_ids(idx), probs_max, q, cand, cand_lp)
 

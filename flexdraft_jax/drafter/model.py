@@ -50,6 +50,19 @@ class DrafterConfig:
   context_trigram: float = 0.0
   context_bigram: float = 0.0
   rescore_top: int = 32
+  # Draft sampling's temperature per slot, fitted on held-out answers
+  # (`offline-accept --fit_temperature`): ((T, (r_1 .. r_S)), ...). At sampling
+  # temperature T with `draft_sampling`, slot j's drafts are sampled from
+  # softmax(logits / (T·r_j)), r_j interpolated in T between the listed
+  # temperatures and held beyond them; () samples at T itself. Verification
+  # reads the same q, so outputs stay the target's; argmax drafts (T = 0 or
+  # `draft_sampling` off) are unchanged.
+  draft_temperature: tuple = ()
+
+  def __post_init__(self):
+    # drafter.json holds lists; the config is hashed (a jit's static argument)
+    object.__setattr__(self, "draft_temperature", tuple(
+        (float(t), tuple(float(r) for r in rs)) for t, rs in self.draft_temperature))
 
   @property
   def has_ngram_tables(self) -> bool:
@@ -84,10 +97,28 @@ class DrafterConfig:
     if self.rescores and not 1 <= self.rescore_top <= (self.draft_vocab or cfg.vocab_size):
       raise FlexDraftError(f"rescore_top={self.rescore_top} must be in [1, "
                            f"{self.draft_vocab or cfg.vocab_size}] (the draft vocabulary)")
+    for t, rs in self.draft_temperature:
+      if not (np.isfinite(t) and t > 0 and len(rs) == self.block_size - 1
+              and all(np.isfinite(r) and r > 0 for r in rs)):
+        raise FlexDraftError(
+            f"draft_temperature entry ({t}, {list(rs)}) must be a temperature > 0 and "
+            f"{self.block_size - 1} finite ratios > 0 (one per draft slot)")
     if min(self.ngram_bigrams, self.ngram_contexts, self.ngram_trigrams) < 0 or (
         self.ngram_bigrams == 0 and self.ngram_contexts + self.ngram_trigrams > 0):
       raise FlexDraftError("n-gram table sizes must be >= 0, with bigrams wherever "
                            "there are trigrams")
+
+
+def draft_temperature_ratios(dcfg: DrafterConfig, temperature: float, slots: int):
+  """Each of the first `slots` draft slots' sampling temperature relative to
+  `temperature` (`DrafterConfig.draft_temperature`), float32 `[slots]`, or None
+  where the drafter holds none (or T = 0)."""
+  if not dcfg.draft_temperature or not temperature > 0:
+    return None
+  ts = np.array([t for t, _ in dcfg.draft_temperature])
+  rs = np.array([r for _, r in dcfg.draft_temperature])[np.argsort(ts)]
+  ts = np.sort(ts)
+  return np.array([np.interp(temperature, ts, rs[:, j]) for j in range(slots)], np.float32)
 
 
 class Drafter(NamedTuple):

@@ -73,16 +73,15 @@ def _cache_from_deep(batch, cfg: ModelConfig, num_draft_layers: int, dtype):
   return pytree.KVCache(layers("k"), layers("v"))
 
 
-def loss_sums(draft_params, target_params, cfg: ModelConfig, dcfg: DrafterConfig,
-              batch: dict, *, gamma: float = 7.0, loss_type: str = "ce",
-              attn_impl: str = "xla", per_anchor: bool = False):
-  """Additive statistics of a batch, so data-parallel shards can be summed.
-
-  Returns (loss_num, sums): loss_num = Σ weight·loss over (anchor, slot);
-  sums = {weight, loss_num, correct_S, n_slot_S, tau_sum, n_anchor}.
-  `finalize(sums)` turns them into the loss and metrics. `per_anchor` adds
-  `tau_BxK`, each anchor's τ (0 where not `anchor_ok`), which is not additive.
-  """
+def draft_pass(draft_params, target_params, cfg: ModelConfig, dcfg: DrafterConfig,
+               batch: dict, *, attn_impl: str = "xla") -> dict:
+  """The drafter over a batch's anchor blocks, as training scores it: each
+  drafting slot's calibrated logits (the n-gram prior reading the true tokens
+  before it) and its label. Returns `logits_BxKxSxV` (draft vocabulary),
+  `label_BxKxS` (draft-vocabulary indices), `in_vocab_BxKxS`, `valid_BxKxS`,
+  `pos_BxKxS`, `h_clean` (the clean pass's hidden states; None when the batch
+  brings precomputed K/V) and `draft` (the draft pytree in the target's dtype).
+  The loss and the offline acceptance measures (`offline_accept`) both read it."""
   bs = dcfg.block_size
   tokens, length = batch["tokens_BxT"], batch["length_B"]
   anchor, anchor_ok = batch["anchor_BxK"], batch["anchor_ok_BxK"]
@@ -94,8 +93,6 @@ def loss_sums(draft_params, target_params, cfg: ModelConfig, dcfg: DrafterConfig
       draft_params)
 
   if "deep_k0" in batch:  # clean K/V computed ahead of time (see deep_kv_entries)
-    if loss_type == "kl":
-      raise ValueError("loss_type='kl' needs the clean pass (no precomputed K/V)")
     h_clean = None
     cache = _cache_from_deep(batch, cfg, dcfg.num_layers, dtype)
     if not pytree.is_per_layer(target_params):
@@ -129,24 +126,44 @@ def loss_sums(draft_params, target_params, cfg: ModelConfig, dcfg: DrafterConfig
     context = (jnp.where(first, -1, at(2)), at(1), tokens, jnp.repeat(anchor + 1, S, axis=1))
   logits = DraftModel.of(cfg, dcfg, target_params).apply(
       variables, hm, bonus_BxM, context=context, method="logits")
-  logits_BxKxSxV = logits.reshape(B, K, S, -1)
   label_BxKxS = jnp.take_along_axis(
       tokens, jnp.minimum(pos_BxKxS, T - 1).reshape(B, K * S), axis=1).reshape(B, K, S)
   valid_BxKxS = (pos_BxKxS < length[:, None, None]) & anchor_ok[:, :, None]
   # Labels as draft-vocabulary indices; a token outside it can never be drafted:
   # no loss, and it counts as a miss.
   label_BxKxS, in_vocab = _draft_index(draft, cfg, label_BxKxS)
+  return {"logits_BxKxSxV": logits.reshape(B, K, S, -1), "label_BxKxS": label_BxKxS,
+          "in_vocab_BxKxS": in_vocab, "valid_BxKxS": valid_BxKxS, "pos_BxKxS": pos_BxKxS,
+          "h_clean": h_clean, "draft": draft}
+
+
+def loss_sums(draft_params, target_params, cfg: ModelConfig, dcfg: DrafterConfig,
+              batch: dict, *, gamma: float = 7.0, loss_type: str = "ce",
+              attn_impl: str = "xla", per_anchor: bool = False):
+  """Additive statistics of a batch, so data-parallel shards can be summed.
+
+  Returns (loss_num, sums): loss_num = Σ weight·loss over (anchor, slot);
+  sums = {weight, loss_num, correct_S, n_slot_S, tau_sum, n_anchor}.
+  `finalize(sums)` turns them into the loss and metrics. `per_anchor` adds
+  `tau_BxK`, each anchor's τ (0 where not `anchor_ok`), which is not additive.
+  """
+  if "deep_k0" in batch and loss_type == "kl":
+    raise ValueError("loss_type='kl' needs the clean pass (no precomputed K/V)")
+  d = draft_pass(draft_params, target_params, cfg, dcfg, batch, attn_impl=attn_impl)
+  logits_BxKxSxV, label_BxKxS = d["logits_BxKxSxV"], d["label_BxKxS"]
+  valid_BxKxS, in_vocab = d["valid_BxKxS"], d["in_vocab_BxKxS"]
   logp = jax.nn.log_softmax(logits_BxKxSxV, axis=-1)
   if loss_type == "ce":
     per_BxKxS = -jnp.take_along_axis(logp, label_BxKxS[..., None], axis=-1)[..., 0]
   elif loss_type == "kl":
-    t_logp = target_logp(target_params, cfg, draft, h_clean, pos_BxKxS).reshape(logp.shape)
+    t_logp = target_logp(target_params, cfg, d["draft"], d["h_clean"],
+                         d["pos_BxKxS"]).reshape(logp.shape)
     per_BxKxS = jnp.sum(jnp.exp(t_logp) * (t_logp - logp), axis=-1)
   else:
     raise ValueError(f"loss_type must be ce or kl, got {loss_type!r}")
-  w_BxKxS = valid_BxKxS * in_vocab * slot_weights(bs, gamma)[1:]
+  w_BxKxS = valid_BxKxS * in_vocab * slot_weights(dcfg.block_size, gamma)[1:]
   loss_num = jnp.sum(per_BxKxS * w_BxKxS)
-  sums = offline_sums(logits_BxKxSxV, label_BxKxS, valid_BxKxS, anchor_ok,
+  sums = offline_sums(logits_BxKxSxV, label_BxKxS, valid_BxKxS, batch["anchor_ok_BxK"],
                       in_vocab_BxKxS=in_vocab, per_anchor=per_anchor)
   sums.update(weight=jnp.sum(w_BxKxS), loss_num=jax.lax.stop_gradient(loss_num))
   return loss_num, sums

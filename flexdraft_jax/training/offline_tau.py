@@ -31,13 +31,17 @@ import numpy as np
 
 
 def benchmark_answers(target, name: str, data_dir: str, *, limit: int,
-                      max_new_tokens: int, batch_size: int, cache: str) -> dict:
+                      max_new_tokens: int, batch_size: int, cache: str,
+                      temperature: float = 0.0) -> dict:
   """{"prompts": [...], "answers": [...]} token ids of the target's greedy answers
-  to the first `limit` prompts of benchmark `name`, from the JSON file `cache`
-  or answered now (and added to it)."""
+  (`temperature` > 0: answers sampled at that temperature, seed 0) to the first
+  `limit` prompts of benchmark `name`, from the JSON file `cache` or answered
+  now (and added to it)."""
   import flexdraft_jax as fd
   from flexdraft_jax.evaluation import benchmarks
   key = f"{name}/{limit}/{max_new_tokens}/{target.fingerprint}"
+  if temperature > 0:
+    key += f"/T={temperature:g}"
   cached = read_answers(cache)
   if key in cached:
     return cached[key]
@@ -45,8 +49,11 @@ def benchmark_answers(target, name: str, data_dir: str, *, limit: int,
   rows = benchmarks.load_benchmark(name, data_dir, limit)
   prompts = [benchmarks.render(target.tokenizer, benchmarks.messages_for_turn(r, []), kw)
              for r in rows]
-  print(f"{name}: answering {len(prompts)} prompts (AR, batch {batch_size})", flush=True)
-  out = fd.generate(target, prompts, max_new_tokens=max_new_tokens,
+  how = f"sampled at T = {temperature:g}" if temperature > 0 else "greedy"
+  print(f"{name}: answering {len(prompts)} prompts (AR, {how}, batch {batch_size})",
+        flush=True)
+  out = fd.generate(target, prompts, max_new_tokens=max_new_tokens, seed=0,
+                    sampling=fd.SamplingParams(temperature=temperature),
                     runtime=fd.RuntimeOptions(batch_size=batch_size))
   cached[key] = {"prompts": prompts, "answers": [list(map(int, a)) for a in out.token_ids]}
   os.makedirs(os.path.dirname(cache) or ".", exist_ok=True)
@@ -78,6 +85,32 @@ def read_answers(cache: str) -> dict:
   return cached
 
 
+def answer_batch(prompt: list, answer: list, max_new_tokens: int, dcfg,
+                 blind: bool = False):
+  """A loss batch of one answer with an anchor block at every answer token
+  (anchor i: the block whose bonus is answer token i), padded to the anchors
+  of `max_new_tokens` so that every answer shares one shape; None for an empty
+  answer. `blind`: every block drafts before its bonus is known."""
+  import jax.numpy as jnp
+  from flexdraft_jax.util import round_up
+  if len(answer) < 1:
+    return None
+  K = round_up(max_new_tokens, 16)  # anchors per answer, padded: one shape
+  p, a = list(prompt), list(answer)
+  toks = p + a
+  T = round_up(len(p) + K + dcfg.block_size + 1, 64)
+  anchor = np.full((K,), len(p) - 1)
+  anchor[:len(a)] = np.arange(len(p) - 1, len(toks) - 1)
+  ok = np.arange(K) < len(a)
+  batch = {"tokens_BxT": jnp.asarray([toks + [0] * (T - len(toks))], jnp.int32),
+           "length_B": jnp.asarray([len(toks)], jnp.int32),
+           "anchor_BxK": jnp.asarray(anchor[None], jnp.int32),
+           "anchor_ok_BxK": jnp.asarray(ok[None])}
+  if blind:
+    batch["blind_BxK"] = jnp.ones((1, K), bool)
+  return batch
+
+
 def score(target, drafter, prompts: list, answers: list, max_new_tokens: int = 128,
           blind: bool = False) -> dict:
   """Uniform and walk τ, per-slot accuracy of `drafter` over the answers (each
@@ -85,29 +118,16 @@ def score(target, drafter, prompts: list, answers: list, max_new_tokens: int = 1
   the verify forward, before the bonus is known (a drafter's bonus input then
   unread; calibration and the n-gram prior still read the bonus)."""
   import jax
-  import jax.numpy as jnp
   from flexdraft_jax.training import loss as loss_lib
-  from flexdraft_jax.util import round_up
   cfg, dcfg = target.config, drafter.config
   fn = jax.jit(lambda dp, tp, b: loss_lib.loss_sums(dp, tp, cfg, dcfg, b,
                                                     per_anchor=True)[1])
-  K = round_up(max_new_tokens, 16)  # anchors per answer, padded: one shape
   tau_sum = anchors = walk_tokens = walk_steps = 0
   correct = n_slot = 0
   for p, a in zip(prompts, answers):
-    if len(a) < 1:
+    batch = answer_batch(p, a, max_new_tokens, dcfg, blind)
+    if batch is None:
       continue
-    toks = list(p) + list(a)
-    T = round_up(len(p) + K + dcfg.block_size + 1, 64)
-    anchor = np.full((K,), len(p) - 1)
-    anchor[:len(a)] = np.arange(len(p) - 1, len(toks) - 1)
-    ok = np.arange(K) < len(a)
-    batch = {"tokens_BxT": jnp.asarray([toks + [0] * (T - len(toks))], jnp.int32),
-             "length_B": jnp.asarray([len(toks)], jnp.int32),
-             "anchor_BxK": jnp.asarray(anchor[None], jnp.int32),
-             "anchor_ok_BxK": jnp.asarray(ok[None])}
-    if blind:
-      batch["blind_BxK"] = jnp.ones((1, K), bool)
     s = jax.device_get(fn(drafter.params, target.params, batch))
     tau_sum += float(s["tau_sum"])
     anchors += float(s["n_anchor"])
@@ -131,13 +151,15 @@ def table_row(first: str, second: str, count: int, r: dict) -> str:
           f"{r['walk_tau']:.3f} | {accs} |")
 
 
-def run(argv):
-  """Entry from `python -m flexdraft_jax offline-tau`."""
-  from absl import flags
+FLAG_NAMES = ("drafters", "datasets", "limit", "max_new_tokens", "batch_size", "answers",
+              "data_dir", "model", "blind")
 
-  from flexdraft_jax import cli_util
-  names = ("drafters", "datasets", "limit", "max_new_tokens", "batch_size", "answers",
-           "data_dir", "model", "blind")
+
+def define_flags(names) -> None:
+  """(Re)defines offline-tau's flags (FLAG_NAMES) on absl's FLAGS, at their
+  defaults, after removing every flag in `names` (a process may run several
+  commands); offline-accept defines its own beside them."""
+  from absl import flags
   for name in names:
     if name in flags.FLAGS:
       delattr(flags.FLAGS, name)
@@ -155,34 +177,54 @@ def run(argv):
   flags.DEFINE_string("model", "smollm2-135m", "the target the drafters belong to")
   flags.DEFINE_bool("blind", False, "score drafting as parallel mode does, before the "
                     "bonus is known (a drafter's bonus input unread)")
+
+
+def prepare(FLAGS, command: str, temperatures=(0.0,)):
+  """(target, {dataset: answers}) for the parsed flags, every check that needs
+  no model first (the drafters' directories and files, `--limit`, the answers
+  cache): bad input is one line before the target answers anything. With
+  several `temperatures`, {T: {dataset: answers at T}}."""
+  from flexdraft_jax.drafter import checkpoint
+  from flexdraft_jax.evaluation import plan
+  from flexdraft_jax.model.config import FlexDraftError
+  from flexdraft_jax.paths import data_root, runs_root
+  plan.check_limit(FLAGS.limit, "--limit")
+  if not FLAGS.drafters:
+    raise FlexDraftError("--drafters is empty: name at least one drafter directory")
+  for path in FLAGS.drafters:
+    if not os.path.isdir(plan.resolve_path(path)):
+      raise FlexDraftError(f"--drafters: no drafter at {path} (not a directory)")
+    checkpoint.read_meta(plan.resolve_path(path))  # unreadable: one line
+  answers = FLAGS.answers or os.path.join(runs_root(), "offline_tau", "answers.json")
+  read_answers(answers)
+  print(f"{command}: the target's answers are cached in {os.path.abspath(answers)} "
+        "(--answers)", flush=True)
+  import flexdraft_jax as fd
+  target = fd.load_target(FLAGS.model)
+  data_dir = FLAGS.data_dir or data_root()
+  sets = {T: {name: benchmark_answers(target, name, data_dir, limit=FLAGS.limit,
+                                      max_new_tokens=FLAGS.max_new_tokens,
+                                      batch_size=FLAGS.batch_size, cache=answers,
+                                      temperature=T)
+              for name in FLAGS.datasets} for T in temperatures}
+  return target, (sets[temperatures[0]] if len(temperatures) == 1 else sets)
+
+
+def run(argv):
+  """Entry from `python -m flexdraft_jax offline-tau`."""
+  from absl import flags
+
+  from flexdraft_jax import cli_util
+  define_flags(FLAG_NAMES)
   FLAGS = flags.FLAGS
 
   def main(args):
     from flexdraft_jax.model.config import FlexDraftError
     if len(args) > 1:
       raise FlexDraftError(f"unexpected arguments: {' '.join(args[1:])}")
-    from flexdraft_jax.drafter import checkpoint
-    from flexdraft_jax.evaluation import plan
-    from flexdraft_jax.paths import data_root, runs_root
-    # Every check that needs no model comes before the target answers anything.
-    plan.check_limit(FLAGS.limit, "--limit")
-    if not FLAGS.drafters:
-      raise FlexDraftError("--drafters is empty: name at least one drafter directory")
-    for path in FLAGS.drafters:
-      if not os.path.isdir(plan.resolve_path(path)):
-        raise FlexDraftError(f"--drafters: no drafter at {path} (not a directory)")
-      checkpoint.read_meta(plan.resolve_path(path))  # unreadable: one line
-    answers = FLAGS.answers or os.path.join(runs_root(), "offline_tau", "answers.json")
-    read_answers(answers)
-    print(f"offline-tau: the target's answers are cached in {os.path.abspath(answers)} "
-          "(--answers)", flush=True)
     import flexdraft_jax as fd
-    target = fd.load_target(FLAGS.model)
-    data_dir = FLAGS.data_dir or data_root()
-    sets = {name: benchmark_answers(target, name, data_dir, limit=FLAGS.limit,
-                                    max_new_tokens=FLAGS.max_new_tokens,
-                                    batch_size=FLAGS.batch_size, cache=answers)
-            for name in FLAGS.datasets}
+    from flexdraft_jax.evaluation import plan
+    target, sets = prepare(FLAGS, "offline-tau")
     print(table_header("drafter", "dataset", "prompts"), flush=True)
     for path in FLAGS.drafters:
       drafter = fd.load_drafter(plan.resolve_path(path), target)
@@ -192,4 +234,4 @@ def run(argv):
         print(table_row(path + (" (blind)" if FLAGS.blind else ""), name,
                         len(d["prompts"]), r), flush=True)
 
-  cli_util.run_main(main, argv, doc=__doc__, key_flags=names)
+  cli_util.run_main(main, argv, doc=__doc__, key_flags=FLAG_NAMES)
