@@ -132,18 +132,22 @@ print("pvalue", t._chi2_pvalue(r.token_ids, exact))
 """
 
 
-def test_a_wrong_acceptance_rule_fails():
-  # In its own process: steps compiled here with the right rule must not be
-  # reused, and this process's compiled steps must not see the wrong one.
-  import jax
+def _pvalue_in_subprocess(driver: str) -> float:
+  """The χ² p-value a driver script prints, run in its own process: steps
+  compiled here with the right rule must not be reused, and this process's
+  compiled steps must not see the wrong one."""
   import subprocess
   import sys
   from tests import tiny
   env = dict(os.environ, FLEXDRAFT_TEST_XLA_CACHE=jax.config.jax_compilation_cache_dir)
-  out = subprocess.run([sys.executable, "-c", _LOSSY_DRIVER], cwd=tiny.REPO, env=env,
+  out = subprocess.run([sys.executable, "-c", driver], cwd=tiny.REPO, env=env,
                        capture_output=True, text=True, timeout=900)
   assert out.returncode == 0, out.stderr[-2000:]
-  assert float(out.stdout.split("pvalue")[-1]) < 1e-6
+  return float(out.stdout.split("pvalue")[-1])
+
+
+def test_a_wrong_acceptance_rule_fails():
+  assert _pvalue_in_subprocess(_LOSSY_DRIVER) < 1e-6
 
 
 @pytest.mark.parametrize("kw", [{}, {"draft_sampling": True}])
@@ -214,11 +218,4 @@ print("pvalue", t._chi2_pvalue(r.token_ids, t._exact_distribution(target)))
 
 
 def test_a_wrong_tree_acceptance_rule_fails():
-  import subprocess
-  import sys
-  from tests import tiny
-  env = dict(os.environ, FLEXDRAFT_TEST_XLA_CACHE=jax.config.jax_compilation_cache_dir)
-  out = subprocess.run([sys.executable, "-c", _LOSSY_TREE_DRIVER], cwd=tiny.REPO, env=env,
-                       capture_output=True, text=True, timeout=900)
-  assert out.returncode == 0, out.stderr[-2000:]
-  assert float(out.stdout.split("pvalue")[-1]) < 1e-6
+  assert _pvalue_in_subprocess(_LOSSY_TREE_DRIVER) < 1e-6

@@ -12,7 +12,7 @@ from flexdraft_jax.decoding import tree
 from flexdraft_jax.decoding.sampling import SamplingParams
 from flexdraft_jax.model import attention, pytree
 from tests.decoding_util import bigram_drafter, ngram_drafter, random_drafter, tiny_target
-from tests.test_decoding import assert_lossless, prompts_for
+from tests.test_decoding import assert_lossless, cost_cache, prompts_for  # noqa: F401
 
 
 @pytest.fixture(scope="module")
@@ -183,15 +183,6 @@ def test_tree_budget_bad_inputs(target):
     fd.generate(target, [[3, 4]], drafter=drafter, mode="sequential",
                 sampling=fd.SamplingParams(temperature=1.0, draft_sampling=True),
                 speculation=fd.SpecOptions(tree_budget=8))
-
-
-@pytest.fixture
-def cost_cache(tmp_path, monkeypatch):
-  from flexdraft_jax.decoding import step_costs
-  path = str(tmp_path / "step_costs.json")
-  monkeypatch.setenv("FLEXDRAFT_COST_CACHE", path)
-  monkeypatch.setattr(step_costs, "_COSTS_IN_MEMORY", {})
-  return path
 
 
 @pytest.mark.parametrize("cheapest", ["tree", "sequential", "ar"])
