@@ -166,9 +166,6 @@ class FlexPolicy:
     self.modes = ((Mode.SEQUENTIAL, Mode.PARALLEL)
                   if drafter.config.drafts_blind or parallel_drafter is not None
                   else (Mode.SEQUENTIAL,))
-    # Every speculative kind of step, with its lengths k (trees: budgets).
-    self.families = tuple((m, self.buckets) for m in self.modes) + (
-        ((TREE, self.tree_budgets),) if self.tree_budgets else ())
     bs = drafter.config.block_size
     self.costs = None              # step costs at the current batch shape
     self.cost_path = step_costs.cost_cache_path(getattr(opts, "cost_cache", "default"))
@@ -208,6 +205,13 @@ class FlexPolicy:
     self.predicted_chunks = {}
     self._chosen = None            # ((mode, k), its predicted tokens/s)
     self.timing_spans = []         # (start, end) wall time of step-cost measurements
+
+  @property
+  def families(self) -> tuple:
+    """Every speculative kind of step with its lengths k: the modes with the
+    verify lengths, and draft trees (TREE) with their budgets."""
+    return tuple((m, self.buckets) for m in self.modes) + (
+        ((TREE, self.tree_budgets),) if self.tree_budgets else ())
 
   def observe(self, delta_hist, mode: str, k: int, B: int = 0, steps: int = 0,
               seconds: float = 0.0, compiled: bool = False):
