@@ -159,7 +159,8 @@ def test_decoding_samples_drafts_at_the_fitted_slot_temperatures():
         target.config)
 
 
-def test_command_fits_and_writes_a_drafter_that_decodes_greedy_as_before(tmp_path, capsys):
+def test_command_fits_and_writes_a_drafter_that_decodes_greedy_as_before(tmp_path, capsys,
+                                                                         absl_flags_restored):
   import flexdraft_jax as fd
   from flexdraft_jax.drafter import checkpoint
   from tests import data_fixture
