@@ -142,7 +142,7 @@ def smollm2_hf_model(smollm2_target):
   return hf_llama_from_target(smollm2_target)
 
 
-@pytest.fixture
+@pytest.fixture(autouse=True)
 def absl_flags_restored():
   """Removes the absl flags a test's in-process command defined (a command
   defines its flags when it runs): left on the process-wide FLAGS, a later
