@@ -157,6 +157,17 @@ def absl_flags_restored():
       delattr(flags.FLAGS, name)
 
 
+@pytest.fixture(autouse=True)
+def flex_calibration_forgotten():
+  """Flex starts each request from how confidence predicted acceptance in the
+  last request with the same target, drafter and temperature in the process
+  (flex._SCALES): every test starts from none."""
+  from flexdraft_jax.decoding import flex
+  flex._SCALES.clear()
+  yield
+  flex._SCALES.clear()
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _release_compiled_programs():
   """Drops every compiled program after each test module. XLA maps each loaded

@@ -484,9 +484,11 @@ def test_tau_by_length_from_counts_and_confidence():
   # Nothing verified yet: the drafts' confidences. τ(k) = 1 + Σ_{i<k} 0.5^i
   tau = d.tau_by_length(state)
   assert tau[2] == pytest.approx(1.5) and tau[8] == pytest.approx(2 - 0.5 ** 7)
+  d._prior_c = d._conf_ratio()  # as a choice on this state sets it
   # 100 steps at k = 3: 80 accepted slot 1, 40 of those slot 2 (hist index a + 1)
   d.count_acceptance(np.array([0, 20, 40, 40, 0, 0, 0, 0, 0]), 3)
   assert d.verified[1:3].tolist() == [100, 80] and d.accepted[1:3].tolist() == [80, 40]
+  assert d.expected[1:3].tolist() == [50, 40]  # what confidence 0.5 expected of them
   tau = d.tau_by_length(state)
   # each verified slot: its counts plus PRIOR_WEIGHT steps of the prior, the
   # confidence × how well it has predicted acceptance on slots 2.. (40 accepted
@@ -509,6 +511,8 @@ def test_tau_prior_scale_is_fitted_on_slots_past_the_first():
   # the never-verified slots keep their confidence unscaled.
   d = _driver()
   state = _conf_state([0.9] + [0.6] * 6)
+  d._see_confidence(state)
+  d._prior_c = d._conf_ratio()  # as a choice on this state sets it
   # 100 steps at k = 3: slot 1 accepted 50, slot 2 30 of those 50 (0.6)
   d.count_acceptance(np.array([0, 50, 20, 30, 0, 0, 0, 0, 0]), 3)
   tau = d.tau_by_length(state)
@@ -542,13 +546,58 @@ def test_acceptance_decays_only_in_the_slots_a_chunk_verified():
   assert d.verified[1:].tolist() == [10] * 7 and d.accepted[1:].tolist() == [10] * 7
   # then at k = 3, nothing accepted: slots 1-2 decay and count it, 3-7 keep k = 8's
   d.observe(np.array([0, 10] + [0] * 7), "sequential", 3, B=1, steps=10, seconds=1.0)
-  decay = flex.ACCEPT_DECAY
+  decay = flex.ACCEPT_DECAY ** (10 / flex.DECAY_STEPS)  # per step, not per chunk
   assert d.verified[1:3].tolist() == [10 * decay + 10, 10 * decay]
   assert d.accepted[1:3].tolist() == [10 * decay, 10 * decay]
   assert d.verified[3:].tolist() == [10] * 5 and d.accepted[3:].tolist() == [10] * 5
   # an AR chunk changes no slot
   d.observe(np.array([10] + [0] * 8), "ar", 0, B=1, steps=10, seconds=1.0)
   assert d.verified[3:].tolist() == [10] * 5
+
+
+def test_prior_scale_holds_acceptance_to_the_prior_each_chunk_was_chosen_on():
+  # At T = 1 an argmax draft is accepted with the target's p_T(draft), about
+  # half its confidence: the scale learns that from what the prior expected
+  # when each chunk was chosen, whatever the drafts' confidence is now.
+  d = _driver()
+  d.costs = {"ar": 1.0, "sequential": {str(k): 1.0 for k in d.buckets},
+             "parallel": {str(k): 1.0 for k in d.buckets}}
+  d.choose(_conf_state([0.8] * 7), 1, 8, B=1, S=64)
+  assert d._prior_c[1:].tolist() == pytest.approx([0.8] * 7)
+  # 100 steps at k = 3: slot 1 accepted 40 times, slot 2 16 of those 40 (0.4
+  # each, where 0.8 was expected)
+  d.observe(np.array([0, 60, 24, 16, 0, 0, 0, 0, 0]), "sequential", 3, B=1, steps=100,
+            seconds=100.0)  # (as timed: 1 s a step)
+  assert d.expected[1:3].tolist() == pytest.approx([80, 32])
+  w = flex.SCALE_WEIGHT
+  want = (16 + w * 1.0) / (32 + w)  # fitted on slot 2 (40 verifications)
+  assert d.prior_scale() == pytest.approx(want)
+  # drafts now far less confident: the counts keep the prior they were held to
+  d.choose(_conf_state([0.2] * 7), 1, 8, B=1, S=64)
+  assert d.prior_scale() == pytest.approx(want)
+  assert d.tau_by_length(_conf_state([0.8] * 7))[8] < 1 + 0.8  # (τ(8) at 0.8: 4.2)
+  # older counts fade per step, not per chunk: 16 one-step chunks as one of 16
+  assert d._decay(1) ** flex.DECAY_STEPS == pytest.approx(flex.ACCEPT_DECAY)
+
+
+def test_flex_starts_where_the_last_request_with_that_drafter_and_temperature_ended():
+  target = types.SimpleNamespace(fingerprint="t")
+  drafter = types.SimpleNamespace(config=types.SimpleNamespace(
+      block_size=8, bonus_input=False, drafts_blind=True, rescores=False))
+  opts = fd.SpecOptions()
+  _, buckets = chunk.verify_buckets(8, opts)
+  make = lambda t: flex.FlexPolicy(target, drafter, opts, buckets, time_step=None,
+                                   temperature=t)
+  assert make(0.0).scale0 == 1.0  # nothing seen in this process: confidence as it is
+  first = make(1.0)  # ... at T = 1 an argmax draft is accepted with p_T(draft)
+  assert first.scale0 == pytest.approx(1 - flex.TEMPERATURE_SCALE)
+  first._prior_c = np.full(8, 0.8)
+  first.observe(np.array([0, 60, 24, 16, 0, 0, 0, 0, 0]), "sequential", 3, B=1, steps=100,
+                seconds=1.0)
+  fitted = first.prior_scale()
+  assert fitted < 0.8
+  assert make(1.0).scale0 == pytest.approx(fitted)  # the next request at T = 1
+  assert make(0.7).scale0 == pytest.approx(1 - flex.TEMPERATURE_SCALE * 0.49)  # its own
 
 
 def test_tau_prior_is_the_mean_confidence_over_choices():

@@ -37,7 +37,8 @@ class Driver:
                                 else (1, ()))
     self.policy = (flex.FlexPolicy(target, drafter, opts, self.buckets, self._time,
                                    parallel_drafter=parallel_drafter,
-                                   tree_mass=self._tree_mass)
+                                   tree_mass=self._tree_mass,
+                                   temperature=static["sp"].temperature)
                    if mode == Mode.FLEX else None)
     self.group_counts, self.modes = [], []
     self.stale_drafts = False

@@ -7,12 +7,13 @@ step costs once (AR, and each speculative mode at the shortest and longest k;
 lengths between are interpolated) and predicts tokens/s = τ(k) / cost(mode, k)
 with τ(k) = 1 + Σ_{i<k} Π_{j≤i} r_j, r_j the acceptance rate of draft slot j
 given the slots before it were accepted — counted from the recent steps where
-slot j was verified (each older chunk that verified slot j weighs
-`ACCEPT_DECAY` less there: a run at a short k keeps what longer steps saw), blended
-with a prior from the drafts' own confidences — slot j's confidence given the
-slots before it were accepted, the ratio of the mean Π_{i≤j} conf_i to the mean
-Π_{i<j} conf_i, scaled by how well they have predicted acceptance — which is all
-there is for slots never verified. AR competes with τ = 1;
+slot j was verified (older counts weigh `ACCEPT_DECAY` less per `DECAY_STEPS`
+steps of a chunk that verified slot j: a run at a short k keeps what longer
+steps saw), blended with a prior from the drafts' own confidences — slot j's
+confidence given the slots before it were accepted, the ratio of the mean
+Π_{i≤j} conf_i to the mean Π_{i<j} conf_i, scaled by how well they have
+predicted acceptance at this temperature (`prior_scale`) — which is all there
+is for slots never verified. AR competes with τ = 1;
 a speculative choice must beat it by `AR_MARGIN` to start, and stays while
 it is predicted at least as fast (AR steps observe no acceptance, so a switch
 to AR on a noisy estimate would stand unchallenged until the next probe). What the
@@ -56,6 +57,20 @@ from flexdraft_jax.kernels import cpu_matmul
 # Pseudo-row-steps of the confidence-based prior in each slot's acceptance
 # rate: a slot verified n times weighs its own count n / (n + PRIOR_WEIGHT).
 PRIOR_WEIGHT = 8
+# Pseudo-counts (expected acceptances) of the starting scale in the fit of how
+# confidence predicts acceptance (prior_scale): few, since where acceptance is
+# low (T > 0) slots past the first are verified rarely.
+SCALE_WEIGHT = 4
+# The starting scale at temperature T with nothing seen in this process:
+# 1 - TEMPERATURE_SCALE * min(T, 1)^2. An argmax draft is accepted with the
+# target's p_T(draft): the shipped SmolLM2 drafter's slot 1 accepts 0.78 at
+# T = 0, 0.61 at T = 0.7 and 0.35 at T = 1 on GSM8K (on the target's answers
+# sampled at T; MT-Bench 0.48, 0.41, 0.25; docs/results/acceptance_match.md):
+# ratios 0.77-0.84 and 0.45-0.51. The run's own counts then refit it.
+TEMPERATURE_SCALE = 0.55
+# (target, drafter config, temperature) -> the last fitted prior_scale in this
+# process: where the next request with them starts (its first guess).
+_SCALES: dict = {}
 # Decoding steps of a mode before their wall time corrects its costs (and before
 # its chunks grow from probes to full length): two probe chunks.
 MIN_TIMED = 8
@@ -69,9 +84,13 @@ STAY_MARGIN = 1.0
 # shape: a wrong first choice costs a few steps, not a whole chunk.
 PROBE_STEPS = 4
 # Before a chunk's acceptance counts are added, the older ones are scaled by
-# this: τ follows what the rows live now do (once some rows are done, the batch
-# waits on the rest, whose acceptance may be lower than the batch's was).
+# ACCEPT_DECAY per DECAY_STEPS steps the chunk ran: τ follows what the rows live
+# now do (once some rows are done, the batch waits on the rest, whose
+# acceptance may be lower than the batch's was). Per step, not per chunk: with
+# selective verification every chunk is one step, and a decay per chunk kept
+# two steps' counts (the prior then decided, 1.5x optimistic at batch 1).
 ACCEPT_DECAY = 0.5
+DECAY_STEPS = 16
 # AR does not see acceptance, so a run that fell back to AR would never learn
 # that speculation pays again: after AR_STRETCH AR steps (doubling after every
 # probe that does not win) flex probes its best speculative (mode, k) for
@@ -149,8 +168,14 @@ class FlexPolicy:
   """
 
   def __init__(self, target, drafter, opts, buckets, time_step, parallel_drafter=None,
-               tree_mass=None):
+               tree_mass=None, temperature: float = 0.0):
     self.target, self.drafter, self.opts = target, drafter, opts
+    # Where confidence's scale starts (prior_scale): what the last request with
+    # this target, drafter and temperature ended with in this process.
+    self._scale_key = (getattr(target, "fingerprint", None), repr(drafter.config),
+                       round(float(temperature), 3))
+    self.scale0 = _SCALES.get(
+        self._scale_key, 1.0 - TEMPERATURE_SCALE * min(float(temperature), 1.0) ** 2)
     # Draft trees (`tree_budget`): sequential steps verifying a tree of N nodes
     # compete as (TREE, N); `tree_mass(state, N)` gives their nodes' draft
     # probabilities (the prior of their τ, `tau_by_tree`).
@@ -173,6 +198,11 @@ class FlexPolicy:
     # Draft slot i (1-based): row-steps where it was verified / accepted.
     self.verified = np.zeros(bs)
     self.accepted = np.zeros(bs)
+    # ... and how many of them the confidence prior expected, at the prior
+    # each was chosen on (`_prior_c`, slot i's conditional confidence): the
+    # fit of the prior's scale (tau_by_length).
+    self.expected = np.zeros(bs)
+    self._prior_c = np.ones(bs)
     self.choices = {}              # batch rows -> the last choice and its prediction
     self.measured = {}             # batch rows -> step costs ("auto")
     self.retimed = set()           # batch rows whose costs were timed again
@@ -224,14 +254,17 @@ class FlexPolicy:
       self.ar_since_probe += steps
     elif mode == TREE:  # a tree's τ is its own (tau_by_tree)
       seen = self.tree_seen[k]
-      seen *= ACCEPT_DECAY
+      seen *= self._decay(steps)
       seen += (delta_hist.sum(), (np.arange(len(delta_hist)) * delta_hist).sum())
     else:
-      # Older chunks weigh ACCEPT_DECAY less in the slots this one verified;
-      # the slots beyond its k keep what longer steps measured there.
-      self.verified[1:k] *= ACCEPT_DECAY
-      self.accepted[1:k] *= ACCEPT_DECAY
+      # Older chunks weigh less in the slots this one verified (ACCEPT_DECAY per
+      # DECAY_STEPS steps); the slots beyond its k keep what longer steps
+      # measured there.
+      decay = self._decay(steps)
+      for counts in (self.verified, self.accepted, self.expected):
+        counts[1:k] *= decay
       self.count_acceptance(delta_hist, k)
+      _SCALES[self._scale_key] = self.prior_scale()
     if steps <= 0:
       return
     for name, ratio in self._predicted.items():
@@ -249,6 +282,12 @@ class FlexPolicy:
     row[0] += steps
     row[1] += seconds
     row[2] += tokens
+
+  @staticmethod
+  def _decay(steps: int) -> float:
+    """What older acceptance counts weigh after a chunk of `steps` steps (a
+    chunk that only refreshed drafts counts as one)."""
+    return ACCEPT_DECAY ** (max(steps, 1) / DECAY_STEPS)
 
   def chunk_steps(self, B: int, mode: str, k: int, default: int) -> int:
     """Steps of the next chunk at (mode, k): short for a probe or until its
@@ -313,10 +352,14 @@ class FlexPolicy:
     return self.costs["ar"] if mode == Mode.AR else self.costs[mode][str(k)]
 
   def count_acceptance(self, delta_hist, k: int):
+    """Adds a chunk's verified and accepted counts per slot, and what the
+    confidence prior the chunk was chosen on (`_prior_c`) expected of them."""
     a = np.arange(len(delta_hist)) - 1
     for i in range(1, k):
-      self.verified[i] += delta_hist[a >= i - 1].sum()
+      verified = delta_hist[a >= i - 1].sum()
+      self.verified[i] += verified
       self.accepted[i] += delta_hist[a >= i].sum()
+      self.expected[i] += verified * self._prior_c[i]
 
   def sticky_ar(self, last_mode) -> bool:
     """An AR choice stands until the batch shape changes or, where
@@ -345,7 +388,7 @@ class FlexPolicy:
       made = (n_out - self._prev_n_out)[ran]
       if ran.any():
         for a in (self.row_tok, self.row_steps, self.row_mean):
-          a *= ACCEPT_DECAY
+          a *= self._decay(steps)
         self.row_tok[ran] += made
         self.row_steps[ran] += steps
         self.row_mean[ran] += made.mean()
@@ -392,6 +435,7 @@ class FlexPolicy:
       self.costs = self.measured[str(B)] = self.measure(state, B, S, again=True)
     self._see_confidence(state)
     self._see_rows(state)
+    self._prior_c = self._conf_ratio()  # what the next chunk's counts are held to
     rates = self.predicted_rates(state, B)
     best = max((c for c in rates if c[0] != Mode.AR), key=rates.get)
     ar_rate, best_rate = rates[(Mode.AR, 0)], rates[best]
@@ -499,29 +543,40 @@ class FlexPolicy:
       out[n] = float((tokens + PRIOR_WEIGHT * p) / (rows + PRIOR_WEIGHT))
     return out
 
+  def _conf_ratio(self) -> np.ndarray:
+    """Slot i's acceptance rate by the drafts' confidence, given slots < i were
+    accepted: the ratio of the mean survivals Π_{j≤i} conf_j over choices (a
+    draft after confident ones is itself more often confident, so the mean
+    confidence per slot runs low here); index 0 is 1."""
+    surv = self.conf_sum / self.conf_n
+    return surv / np.maximum(np.concatenate([[1.0], surv[:-1]]), 1e-9)
+
+  def prior_scale(self) -> float:
+    """How the drafts' confidence predicts acceptance here: the slots'
+    accepted counts over what the prior they were chosen on expected, plus
+    SCALE_WEIGHT pseudo-counts of the scale this drafter and temperature ended
+    with in this process before (the first time: 1 at T = 0, lower at T > 0,
+    see TEMPERATURE_SCALE). Fitted on slots 2.. once
+    they have PRIOR_WEIGHT verifications — the prior matters most for them,
+    and slot 1, verified most, runs more overconfident than the rest (the
+    shipped SmolLM2 drafter: 0.72 vs 0.55 accepted; slots 2-5 within ±0.05 given
+    the slots before them were accepted, 661 steps) — else on every slot. At
+    T > 0 an argmax draft is accepted with the target's p_T(draft), well under
+    its confidence at T = 1 (the scale reads ≈ 0.5 there), which the fit learns."""
+    first = 2 if self.verified[2:].sum() >= PRIOR_WEIGHT else 1
+    got, want = self.accepted[first:].sum(), self.expected[first:].sum()
+    scale = (got + SCALE_WEIGHT * self.scale0) / (want + SCALE_WEIGHT)
+    return float(np.clip(scale, 0.25, 4.0))
+
   def tau_by_length(self, state) -> dict:
     """{k: predicted τ(k)} from the per-slot acceptance rates (module doc):
-    each slot's verified counts, plus PRIOR_WEIGHT pseudo-steps of its mean
-    draft confidence scaled by how well confidence has predicted acceptance
-    (the only estimate for slots never verified)."""
+    each slot's verified counts, plus PRIOR_WEIGHT pseudo-steps of its draft
+    confidence given the slots before it were accepted, scaled by how well
+    confidence has predicted acceptance (`prior_scale`; the only estimate for
+    slots never verified)."""
     if self.conf_n == 0:
       self._see_confidence(state)
-    # The confidence's acceptance rate of slot i given slots < i were accepted:
-    # the ratio of the mean survivals (a draft after confident ones is itself
-    # more often confident, so the mean confidence per slot runs low here).
-    surv = self.conf_sum / self.conf_n
-    c = surv / np.maximum(np.concatenate([[1.0], surv[:-1]]), 1e-9)
-    # How well confidence has predicted acceptance: fitted on slots 2.. once
-    # they have PRIOR_WEIGHT verifications — the prior matters most for them,
-    # and slot 1, verified most, runs more overconfident than the rest (the
-    # shipped SmolLM2 drafter: 0.72 vs 0.55 accepted; slots 2-5 within ±0.05
-    # given the slots before them were accepted, 661 steps) — else on every slot.
-    scale, first = 1.0, 2 if self.verified[2:].sum() >= PRIOR_WEIGHT else 1
-    v = self.verified[first:]
-    if v.sum() >= PRIOR_WEIGHT:
-      want = float((v * c[first:]).sum())
-      scale = float(np.clip(self.accepted[first:].sum() / max(want, 1e-9), 0.25, 4.0))
-    prior = np.clip(scale * c, 0.0, 1.0)
+    prior = np.clip(self.prior_scale() * self._conf_ratio(), 0.0, 1.0)
     r = (self.accepted + PRIOR_WEIGHT * prior) / (self.verified + PRIOR_WEIGHT)
     survive = np.cumprod(r[1:])  # P(slots 1..i all accepted)
     return {k: 1.0 + float(survive[:k - 1].sum()) for k in self.buckets}
