@@ -113,3 +113,23 @@ def test_fixed_settings_parse_and_fit_the_block():
     except fd.FlexDraftError:
       continue
     raise AssertionError(bad)
+
+
+def test_sampled_runs_are_timed_with_a_seed_per_round_and_not_compared():
+  # At T > 0 outputs differ from AR's by design (the χ² tests check the
+  # distribution): the bench times them, marks them "sampled", and each round
+  # draws with its own seed.
+  target = tiny_target()
+  ids = [[5, 6, 7], [9, 10, 11, 12]]
+  settings = modes_bench.default_settings([])  # ar, flex (AR steps: no drafter)
+  settings = [s for s in settings if s.name == "ar"]
+  result = modes_bench.run(target, None, ids, batch_sizes=[2], settings=settings,
+                           max_new_tokens=6, repeats=2, temperature=1.0, log=lambda *a: None)
+  row = result["results"][0]
+  assert result["temperature"] == 1.0 and row["lossless"] is None
+  assert row["settings"]["ar"]["lossless"] is True  # the reference itself
+  md = modes_bench.markdown(result)
+  assert "sampled at T = 1" in md and "| sampled |" in md
+  greedy = modes_bench.run(target, None, ids, batch_sizes=[2], settings=settings,
+                           max_new_tokens=6, repeats=1, log=lambda *a: None)
+  assert greedy["results"][0]["lossless"] is True and "| yes |" in modes_bench.markdown(greedy)

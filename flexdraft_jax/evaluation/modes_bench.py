@@ -34,6 +34,7 @@ from typing import Callable, Optional, Sequence
 
 from flexdraft_jax.decoding.engine import spare_positions
 from flexdraft_jax.decoding.options import TREE, Mode, RuntimeOptions, SpecOptions
+from flexdraft_jax.decoding.sampling import SamplingParams
 from flexdraft_jax.evaluation import benchmarks
 from flexdraft_jax.evaluation.cells import check_lossless
 from flexdraft_jax.model.config import FlexDraftError
@@ -110,11 +111,12 @@ def fit_settings(settings: Sequence[Setting], block_size: int) -> tuple:
   return keep, [s.name for s in settings if s not in keep]
 
 
-def gsm8k_prompts(target, data_dir: str, n: int) -> list:
-  """Token ids of the first `n` GSM8K test questions under the chat template."""
-  rows = benchmarks.load_benchmark("gsm8k", data_dir, n)
+def gsm8k_prompts(target, data_dir: str, n: int, dataset: str = "gsm8k") -> list:
+  """Token ids of the first `n` prompts of `dataset` (GSM8K test questions by
+  default; multi-turn sets: their first turns) under the chat template."""
+  rows = benchmarks.load_benchmark(dataset, data_dir, n)
   if len(rows) < n:
-    raise FlexDraftError(f"gsm8k: {n} questions needed, {data_dir} has {len(rows)}")
+    raise FlexDraftError(f"{dataset}: {n} prompts needed, {data_dir} has {len(rows)}")
   kw = benchmarks.chat_kwargs(target)
   return [benchmarks.render(target.tokenizer, benchmarks.messages_for_turn(p, []), kw)
           for p in rows]
@@ -123,7 +125,7 @@ def gsm8k_prompts(target, data_dir: str, n: int) -> list:
 def run(target, drafter, prompts: Sequence, *, batch_sizes: Sequence[int],
         settings: Sequence[Setting], max_new_tokens: int = 64, repeats: int = 3,
         batches: int = 1, attn_impl: str = "xla", lossless_tol: float = 1e-5,
-        cost_cache=None, deadline: Optional[float] = None,
+        temperature: float = 0.0, cost_cache=None, deadline: Optional[float] = None,
         on_batch: Optional[Callable] = None, log: Callable = print) -> dict:
   """Times `settings` at each batch size (see the module doc); returns a dict for
   JSON (`markdown` renders it). `prompts` (id lists) holds at least
@@ -141,7 +143,7 @@ def run(target, drafter, prompts: Sequence, *, batch_sizes: Sequence[int],
                          f"batches), got {len(prompts)}")
   block = drafter.config.block_size if drafter is not None else 16
   result = {"max_new_tokens": max_new_tokens, "repeats": repeats, "batches": batches,
-            "attn_impl": attn_impl, "lossless_tol": lossless_tol,
+            "attn_impl": attn_impl, "lossless_tol": lossless_tol, "temperature": temperature,
             "settings": [dataclasses.asdict(s) for s in settings], "results": []}
   last_wall = 0.0
   for i, b in enumerate(batch_sizes):
@@ -160,7 +162,8 @@ def run(target, drafter, prompts: Sequence, *, batch_sizes: Sequence[int],
     start = time.monotonic()
     row = bench_batch(target, drafter, ids, b, settings, max_new_tokens=max_new_tokens,
                       repeats=repeats, max_len=max_len, attn_impl=attn_impl,
-                      lossless_tol=lossless_tol, cost_cache=cost_cache,
+                      lossless_tol=lossless_tol, temperature=temperature,
+                      cost_cache=cost_cache,
                       deadline=None if share is None else start + share, log=log)
     last_wall = row["wall_seconds"] = time.monotonic() - start
     result["results"].append(row)
@@ -171,9 +174,12 @@ def run(target, drafter, prompts: Sequence, *, batch_sizes: Sequence[int],
 
 def bench_batch(target, drafter, ids: list, batch_size: int, settings: Sequence[Setting],
                 *, max_new_tokens: int, repeats: int, max_len: int, attn_impl: str,
-                lossless_tol: float, cost_cache=None, deadline: Optional[float] = None,
-                log: Callable = print) -> dict:
-  """One batch size: the rotation, the lossless checks, flex's view (module doc)."""
+                lossless_tol: float, temperature: float = 0.0, cost_cache=None,
+                deadline: Optional[float] = None, log: Callable = print) -> dict:
+  """One batch size: the rotation, the lossless checks, flex's view (module doc).
+  At `temperature` > 0 every call samples with its own seed (the round), and
+  outputs are not compared: sampling is lossless in distribution, which the χ²
+  tests check, not token for token."""
   from flexdraft_jax import api
   timed = {s.name: {"decode": [], "e2e": []} for s in settings}
   outputs = {s.name: [] for s in settings}  # every call's token ids
@@ -187,6 +193,7 @@ def bench_batch(target, drafter, ids: list, batch_size: int, settings: Sequence[
     t0 = time.monotonic()
     for s in settings:
       res = api.generate(target, ids, max_new_tokens=max_new_tokens, stop=[],
+                         sampling=SamplingParams(temperature=temperature), seed=r,
                          runtime=RuntimeOptions(batch_size=batch_size, max_len=max_len,
                                                 attn_impl=attn_impl),
                          **s.options(drafter, cost_cache))
@@ -204,8 +211,8 @@ def bench_batch(target, drafter, ids: list, batch_size: int, settings: Sequence[
   reference = outputs["ar"][-1]
   for s in settings:
     row["settings"][s.name] = _setting_row(
-        target, s, timed[s.name], last[s.name].stats, outputs[s.name], reference, ids,
-        lossless_tol)
+        target, s, timed[s.name], last[s.name].stats, outputs[s.name],
+        reference if temperature == 0 else None, ids, lossless_tol)
   ar = row["settings"]["ar"]
   for name, x in row["settings"].items():
     x["over_ar"] = x["median"] / ar["median"]
@@ -222,10 +229,11 @@ def bench_batch(target, drafter, ids: list, batch_size: int, settings: Sequence[
     if best is not None:
       row["flex_over_best_fixed"] = (row["settings"][flex]["median"]
                                      / row["settings"][best]["median"])
-  row["lossless"] = all(x["lossless"] for x in row["settings"].values())
+  row["lossless"] = (all(x["lossless"] for x in row["settings"].values())
+                    if temperature == 0 else None)  # None: not compared (T > 0)
   log(f"modes_bench: batch {batch_size}: " + ", ".join(
       f"{n} {x['median']:.1f} tok/s (τ {x['tau']:.2f})" for n, x in row["settings"].items())
-      + f"; lossless: {'yes' if row['lossless'] else 'NO'}")
+      + f"; lossless: {_lossless_cell(row['lossless'])}")
   return row
 
 
@@ -242,6 +250,8 @@ def _setting_row(target, s: Setting, timed: dict, stats: dict, outputs: list,
          "new_tokens": stats["new_tokens"]}
   if s.mode == Mode.AR:
     out["lossless"], out["lossless_detail"] = True, {"reference": True}
+  elif reference is None:  # sampled: not compared token for token
+    out["lossless"], out["lossless_detail"] = None, {"sampled": True}
   else:
     out["lossless"], out["lossless_detail"] = check_outputs(target, reference, outputs, ids,
                                                             tol)
@@ -320,8 +330,10 @@ def markdown(result: dict) -> str:
   others = [n for n in names if n not in ("ar", flex)]
   rows = [r for r in result["results"] if "skipped" not in r]
   skipped = [str(r["batch_size"]) for r in result["results"] if "skipped" in r]
+  temp = result.get("temperature", 0.0)
   out = [f"Decode tokens/s (median of up to {result['repeats']} timed rounds, "
-         f"{result['max_new_tokens']} new tokens per row, attention {result['attn_impl']}); "
+         f"{result['max_new_tokens']} new tokens per row, attention {result['attn_impl']}"
+         + (f", sampled at T = {temp:g}, a seed per round" if temp else "") + "); "
          "× AR decode-only, end-to-end (prefill included) in parentheses.", ""]
   head = (["batch", "AR tok/s"] + [f"{n} tok/s (× AR)" for n in others]
           + (["flex tok/s", "flex × AR", "flex / best fixed"] if flex else []) + ["lossless"])
@@ -338,7 +350,7 @@ def markdown(result: dict) -> str:
       best = (f"{r['flex_over_best_fixed']:.2f} ({r['best_fixed']})"
               if r.get("best_fixed") else "-")
       cells += [f"{f['median']:.1f}", f"{f['over_ar']:.2f}× ({f['e2e_over_ar']:.2f}×)", best]
-    cells.append("yes" if r["lossless"] else "NO")
+    cells.append(_lossless_cell(r["lossless"]))
     out.append(_md_row(cells))
   out += ["", "τ (emitted tokens per verification; flex: overall, then per mode)", ""]
   head = ["batch"] + others + ([flex] if flex else [])
@@ -376,6 +388,11 @@ def markdown(result: dict) -> str:
   if skipped:
     out += ["", f"Skipped for the time budget: batch {', '.join(skipped)}."]
   return "\n".join(out) + "\n"
+
+
+def _lossless_cell(lossless) -> str:
+  """yes / NO, or "sampled" where outputs were not compared (T > 0)."""
+  return "sampled" if lossless is None else ("yes" if lossless else "NO")
 
 
 def _md_row(cells: Sequence[str]) -> str:
