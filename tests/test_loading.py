@@ -326,3 +326,55 @@ def test_smollm2_knows_paris(smollm2_target):
       "The capital of France is")
   logits = jax_logits(smollm2_target, np.asarray([ids]))
   assert tok.decode([int(np.argmax(logits[0, -1]))]) == " Paris"
+
+
+def test_gguf_index_is_kept_and_read_back(tmp_path, monkeypatch):
+  # The first read parses the GGUF header and keeps an index; the next one
+  # reads only the index (the header is never parsed) and maps the same tensors.
+  import gguf
+
+  from flexdraft_jax.model import gguf_loader
+  src = loading.builtin_path("smollm2-135m")
+  path = tmp_path / "model.gguf"
+  os.symlink(src, path)
+  monkeypatch.setenv(gguf_loader.INDEX_ENV, str(tmp_path / "index"))
+  meta, tensors = gguf_loader.read_gguf(str(path))
+  where = gguf_loader.index_path(str(path))
+  assert os.path.isfile(where) and os.path.dirname(where) == str(tmp_path / "index")
+
+  def no_header(p):
+    raise AssertionError("the header was parsed again")
+
+  monkeypatch.setattr(gguf_loader, "_open", no_header)
+  meta2, tensors2 = gguf_loader.read_gguf(str(path))
+  assert meta2 == meta and list(tensors2) == list(tensors)
+  for name in ("token_embd.weight", "blk.0.attn_q.weight", "blk.29.ffn_norm.weight"):
+    a, b = tensors[name], tensors2[name]
+    assert a.tensor_type == b.tensor_type
+    np.testing.assert_array_equal(gguf.dequantize(b.data, b.tensor_type),
+                                  gguf.dequantize(a.data, a.tensor_type))
+  # a damaged index is read afresh from the file, and written again
+  monkeypatch.setattr(gguf_loader, "_open", lambda p: gguf.GGUFReader(p))
+  with open(where, "w") as f:
+    f.write("{not json")
+  assert gguf_loader.read_gguf(str(path))[0] == meta
+  with open(where) as f:
+    assert json.load(f)["version"] == gguf_loader.INDEX_VERSION
+
+
+def test_gguf_index_follows_the_file_and_can_be_off(tmp_path, monkeypatch):
+  from flexdraft_jax.model import gguf_loader
+  path = tmp_path / "model.gguf"
+  path.write_bytes(b"not yet a model")
+  monkeypatch.setenv(gguf_loader.INDEX_ENV, str(tmp_path / "index"))
+  before = gguf_loader.index_path(str(path))
+  os.utime(path, ns=(1, 1))  # the file changed: another index
+  assert gguf_loader.index_path(str(path)) != before
+  for off in ("off", ""):
+    monkeypatch.setenv(gguf_loader.INDEX_ENV, off)
+    assert gguf_loader.index_path(str(path)) is None
+  # with indexing off nothing is written, and the file is still read
+  src = loading.builtin_path("smollm2-135m")
+  meta, _ = gguf_loader.read_gguf(src)
+  assert meta["general.architecture"] == "llama"
+  assert not (tmp_path / "index").exists()

@@ -3,9 +3,25 @@
 llama.cpp's converter permutes the q/k rows of "llama" models so that its RoPE
 can rotate adjacent pairs; transformer.py's RoPE is HF's rotate-half, so those
 rows are permuted back. qwen2/qwen3 files use NeoX RoPE and are not permuted.
+
+Reading a GGUF header parses every metadata field element by element — for
+SmolLM2 its 49,152-token vocabulary and 48,900 merges, seconds of a command's
+start. The first load keeps an index of the file (its metadata, and each
+tensor's type, offset and shape) in `$FLEXDRAFT_GGUF_INDEX` (a folder; `off`:
+none), else `$XDG_CACHE_HOME/flexdraft_jax/gguf_index` (`~/.cache` without it);
+later loads read the index and map the tensors where it says. The index is
+keyed by the file's real path, size and modification time, gguf's version and
+INDEX_VERSION: a changed file is read afresh.
 """
 
 from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import tempfile
+from typing import NamedTuple, Optional
 
 import numpy as np
 
@@ -26,6 +42,20 @@ _LAYER_NAMES = {
 _MATRICES = ("q", "k", "v", "o", "gate", "up", "down", "lm_head")
 
 
+INDEX_ENV = "FLEXDRAFT_GGUF_INDEX"
+INDEX_OFF = ("off", "0", "none", "false")
+INDEX_VERSION = 1  # bump when the index's content or meaning changes
+
+log = logging.getLogger(__name__)
+
+
+class _Tensor(NamedTuple):
+  """What loading reads of a GGUF tensor: its quantization type and its raw
+  data (as `gguf.GGUFReader` shapes it: elements, or bytes of quantized rows)."""
+  tensor_type: object
+  data: np.ndarray
+
+
 def _open(path: str):
   import gguf  # imported lazily: only GGUF targets need it
   try:
@@ -37,6 +67,80 @@ def _open(path: str):
 def _metadata(reader) -> dict:
   """Every metadata field as a python value."""
   return {name: field.contents() for name, field in reader.fields.items()}
+
+
+def index_path(path: str) -> Optional[str]:
+  """Where the index of GGUF file `path` is kept (None: indexing is off)."""
+  import gguf
+  setting = os.environ.get(INDEX_ENV)
+  if setting is not None and setting.strip().lower() in INDEX_OFF + ("",):
+    return None
+  root = setting or os.path.join(
+      os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"),
+      "flexdraft_jax", "gguf_index")
+  st = os.stat(path)
+  version = getattr(gguf, "__version__", None) or _gguf_version()
+  key = hashlib.sha256(f"{INDEX_VERSION}|{version}|{os.path.realpath(path)}|"
+                       f"{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:24]
+  return os.path.join(root, f"{key}.json")
+
+
+def _gguf_version() -> str:
+  from importlib import metadata
+  try:
+    return metadata.version("gguf")
+  except metadata.PackageNotFoundError:
+    return "unknown"
+
+
+def read_gguf(path: str) -> tuple:
+  """(metadata dict, {tensor name: _Tensor}) of GGUF file `path`: from its
+  index where one is kept (module doc), else parsed, and the index written."""
+  import gguf
+  where = index_path(path)
+  if where and os.path.isfile(where):
+    try:
+      with open(where) as f:
+        index = json.load(f)
+      data = np.memmap(path, dtype=np.uint8, mode="r")
+      tensors = {}
+      for t in index["tensors"]:
+        dtype = np.dtype(t["dtype"])
+        count = int(np.prod(t["shape"], dtype=np.int64))
+        raw = data[t["offset"]:t["offset"] + count * dtype.itemsize].view(dtype)
+        tensors[t["name"]] = _Tensor(gguf.GGMLQuantizationType(t["type"]),
+                                     raw.reshape(t["shape"]))
+      return index["meta"], tensors
+    except (OSError, ValueError, KeyError, TypeError) as e:  # read afresh below
+      log.info("flexdraft_jax: GGUF index %s unreadable (%s); reading %s", where, e, path)
+  reader = _open(path)
+  meta = _metadata(reader)
+  tensors = {t.name: _Tensor(t.tensor_type, t.data) for t in reader.tensors}
+  if where:
+    _write_index(where, meta, reader.tensors)
+  return meta, tensors
+
+
+def _write_index(where: str, meta: dict, reader_tensors) -> None:
+  """Writes the index atomically; a folder that cannot be written (or
+  metadata JSON cannot hold) only costs the next load its speed."""
+  index = {"version": INDEX_VERSION, "meta": meta, "tensors": [
+      {"name": t.name, "type": int(t.tensor_type), "offset": int(t.data_offset),
+       "dtype": t.data.dtype.str, "shape": [int(d) for d in t.data.shape]}
+      for t in reader_tensors]}
+  tmp = None
+  try:
+    os.makedirs(os.path.dirname(where), exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".tmp", dir=os.path.dirname(where))
+    with os.fdopen(fd, "w") as f:
+      json.dump(index, f)
+    os.replace(tmp, where)
+    tmp = None
+  except (OSError, TypeError, ValueError) as e:
+    log.info("flexdraft_jax: GGUF index not written to %s (%s)", where, e)
+  finally:
+    if tmp is not None and os.path.exists(tmp):
+      os.remove(tmp)
 
 
 def _rope_scaling(meta: dict, arch: str, tensor_names: set, path: str):
@@ -92,9 +196,9 @@ def unpermute_rows(w_OxI: np.ndarray, n_heads: int) -> np.ndarray:
 class _GGUFTensors:
   """Name -> dequantized float32 host array `[out, in]` (numpy row-major order)."""
 
-  def __init__(self, reader, path: str):
+  def __init__(self, tensors: dict, path: str):
     self.path = path
-    self.tensors = {t.name: t for t in reader.tensors}
+    self.tensors = tensors
 
   def get(self, name: str) -> np.ndarray:
     import gguf
@@ -111,9 +215,8 @@ class _GGUFTensors:
 
 def load_gguf(path: str, dtype, layout: str = "stacked") -> tuple:
   """(ModelConfig, params, Tokenizer) of a GGUF file."""
-  reader = _open(path)
-  meta = _metadata(reader)
-  store = _GGUFTensors(reader, path)
+  meta, tensors = read_gguf(path)
+  store = _GGUFTensors(tensors, path)
   try:
     cfg = read_config(meta, set(store.tensors), path)
   except FlexDraftError:
