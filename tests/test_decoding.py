@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import flexdraft_jax as fd
-from flexdraft_jax.decoding import chunk, driver, engine, flex, step_costs
+from flexdraft_jax.decoding import chunk, driver, engine, flex, flex_costs, step_costs
 from flexdraft_jax.drafter import compat
 from flexdraft_jax.drafter.model import init_draft_params
 from flexdraft_jax.model import pytree, transformer
@@ -137,7 +137,7 @@ def test_flex_auto_picks_the_fastest_predicted_mode(target, cost_cache, monkeypa
     cost = lambda m: 1.0 if m == cheapest else 100.0
     return {"ar": cost("ar"),
             **{m: {str(k): cost(m) for k in self.buckets} for m in ("sequential", "parallel")}}
-  monkeypatch.setattr(flex.FlexPolicy, "measure", measure)
+  monkeypatch.setattr(flex_costs.StepCosts, "measure", measure)
   prompts = prompts_for(3, seed=4)
   drafter = random_drafter(target, block_size=4, noise=0.5)
   ref = fd.generate(target, prompts, max_new_tokens=40)
@@ -160,7 +160,7 @@ def test_flex_auto_measures_once_per_shape(target, cost_cache, monkeypatch):
                       lambda self, *a, **kw: timed.append(a[1]) or real(self, *a, **kw))
   # (a tiny model's steps cost about a dispatch: its chunks may run far off the
   # timed costs, and timing again is another test's)
-  monkeypatch.setattr(flex, "RETIME", float("inf"))
+  monkeypatch.setattr(flex_costs, "RETIME", float("inf"))
   for _ in range(2):
     out = fd.generate(target, prompts, max_new_tokens=24, drafter=drafter, mode="flex")
     assert_lossless(target, prompts, ref.token_ids, out.token_ids)
@@ -168,7 +168,7 @@ def test_flex_auto_measures_once_per_shape(target, cost_cache, monkeypatch):
   # AR, and each mode at the shortest and longest verify length, round-robin
   # TIMING_ROUNDS times in the first run only
   plan = ["ar", "sequential", "sequential", "parallel", "parallel"]
-  assert timed == plan * flex.TIMING_ROUNDS
+  assert timed == plan * flex_costs.TIMING_ROUNDS
   with open(cost_cache) as f:
     (costs,) = json.load(f).values()
   assert costs["ar"] > 0 and costs["measured_k"] == [buckets[0], buckets[-1]]
@@ -479,7 +479,7 @@ def test_row_tau_of_a_row_left_alone_is_its_own():
 
 def test_tau_by_length_from_counts_and_confidence():
   d = _driver()
-  assert d.buckets == (2, 3, 4, 8)
+  assert d.cost_model.buckets == (2, 3, 4, 8)
   state = _conf_state([0.5] * 7)
   # Nothing verified yet: the drafts' confidences. τ(k) = 1 + Σ_{i<k} 0.5^i
   tau = d.tau_by_length(state)
@@ -502,7 +502,7 @@ def test_tau_by_length_from_counts_and_confidence():
   # many more steps: the counts' own rates (0.8, then 0.5) decide
   d.count_acceptance(np.array([0, 20, 40, 40, 0, 0, 0, 0, 0]) * 1000, 3)
   assert d.tau_by_length(state)[3] == pytest.approx(1 + 0.8 + 0.8 * 0.5, abs=2e-3)
-  assert _driver(verify_len=5).buckets == (2, 3, 4, 5)
+  assert _driver(verify_len=5).cost_model.buckets == (2, 3, 4, 5)
 
 
 def test_tau_prior_scale_is_fitted_on_slots_past_the_first():
@@ -528,8 +528,9 @@ def test_tau_prior_is_the_confidence_given_the_slots_before_were_accepted():
   # was is the ratio of their mean survivals Π conf, not slot 2's mean
   # confidence (0.5 here, which would undercount the long runs).
   d = _driver()
-  d.costs = {"ar": 1.0, "sequential": {str(k): 1.0 for k in d.buckets},
-             "parallel": {str(k): 1.0 for k in d.buckets}}
+  ks = d.cost_model.buckets
+  d.cost_model.costs = {"ar": 1.0, "sequential": {str(k): 1.0 for k in ks},
+                        "parallel": {str(k): 1.0 for k in ks}}
   d.choose(_conf_state([0.9] * 7), 1, 8, B=1, S=64)
   d.choose(_conf_state([0.1] * 7), 1, 8, B=1, S=64)
   wt = np.array([flex.ACCEPT_DECAY, 1.0])  # the older choice weighs less
@@ -560,8 +561,9 @@ def test_prior_scale_holds_acceptance_to_the_prior_each_chunk_was_chosen_on():
   # half its confidence: the scale learns that from what the prior expected
   # when each chunk was chosen, whatever the drafts' confidence is now.
   d = _driver()
-  d.costs = {"ar": 1.0, "sequential": {str(k): 1.0 for k in d.buckets},
-             "parallel": {str(k): 1.0 for k in d.buckets}}
+  ks = d.cost_model.buckets
+  d.cost_model.costs = {"ar": 1.0, "sequential": {str(k): 1.0 for k in ks},
+                        "parallel": {str(k): 1.0 for k in ks}}
   d.choose(_conf_state([0.8] * 7), 1, 8, B=1, S=64)
   assert d._prior_c[1:].tolist() == pytest.approx([0.8] * 7)
   # 100 steps at k = 3: slot 1 accepted 40 times, slot 2 16 of those 40 (0.4
@@ -604,8 +606,9 @@ def test_tau_prior_is_the_mean_confidence_over_choices():
   # One state's drafts are a noisy sample: the prior is the decayed mean of
   # the confidences seen at each choice, not the latest alone.
   d = _driver()
-  d.costs = {"ar": 1.0, "sequential": {str(k): 1.0 for k in d.buckets},
-             "parallel": {str(k): 1.0 for k in d.buckets}}
+  ks = d.cost_model.buckets
+  d.cost_model.costs = {"ar": 1.0, "sequential": {str(k): 1.0 for k in ks},
+                        "parallel": {str(k): 1.0 for k in ks}}
   d.choose(_conf_state([0.9] * 7), 1, 8, B=1, S=64)
   low = _conf_state([0.1] * 7)
   mean = (flex.ACCEPT_DECAY * 0.9 + 0.1) / (flex.ACCEPT_DECAY + 1)
@@ -616,8 +619,8 @@ def test_tau_prior_is_the_mean_confidence_over_choices():
 
 def test_flex_probes_speculation_again_after_ar_when_it_came_close():
   d = _driver(verify_len=2)
-  d.modes = ("sequential",)
-  d.costs = {"ar": 1.0, "sequential": {"2": 1.1}}
+  d.cost_model.modes = ("sequential",)
+  d.cost_model.costs = {"ar": 1.0, "sequential": {"2": 1.1}}
   # τ(2) = 1.1 at 1.1x AR's cost: as fast as AR, under the margin (a probe
   # predicted to lose nothing is due after AR_STRETCH steps)
   close = _conf_state([0.1] + [0.5] * 6)
@@ -637,7 +640,8 @@ def test_flex_probes_speculation_again_after_ar_when_it_came_close():
   # far behind AR: no probes at all, AR runs to the end in one loop
   far = _conf_state([0.5] * 7)  # τ(2) = 1.5 at twice AR's cost: 0.75x AR
   d2 = _driver(verify_len=2)
-  d2.modes, d2.costs = d.modes, {"ar": 1.0, "sequential": {"2": 2.0}}
+  d2.cost_model.modes = d.cost_model.modes
+  d2.cost_model.costs = {"ar": 1.0, "sequential": {"2": 2.0}}
   assert d2.choose(far, 1, 2, B=1, S=64) == ("ar", 0)
   assert d2.chunk_steps(1, "ar", 0, 1000) == 1000
   d2.observe(np.zeros(9), "ar", 0, B=1, steps=1000, seconds=1000.0)
@@ -649,8 +653,8 @@ def test_flex_probes_later_where_a_probe_could_lose_more():
   # 4-step probe that gained nothing would lose 4 · 0.5 = 2 AR steps: it waits
   # until that is PROBE_BUDGET of the AR steps since the last probe.
   d = _driver(verify_len=2)
-  d.modes = ("sequential",)
-  d.costs = {"ar": 1.0, "sequential": {"2": 1.5}}
+  d.cost_model.modes = ("sequential",)
+  d.cost_model.costs = {"ar": 1.0, "sequential": {"2": 1.5}}
   behind = _conf_state([0.277] + [0.5] * 6)
   assert d.choose(behind, 1, 2, B=1, S=64) == ("ar", 0)
   wait = int(np.ceil(flex.PROBE_STEPS * 0.5 / flex.PROBE_BUDGET))
@@ -669,8 +673,9 @@ def test_flex_probes_later_where_a_probe_could_lose_more():
 
 def test_flex_corrects_step_costs_with_what_chunks_took():
   d = _driver()
-  d.costs = {"ar": 1.0, "sequential": {str(k): 1.0 + 0.1 * k for k in d.buckets},
-             "parallel": {str(k): 1.0 + 0.1 * k for k in d.buckets}}
+  ks = d.cost_model.buckets
+  d.cost_model.costs = {"ar": 1.0, "sequential": {str(k): 1.0 + 0.1 * k for k in ks},
+                        "parallel": {str(k): 1.0 + 0.1 * k for k in ks}}
   state = _conf_state([0.9] * 7)
   mode, k = d.choose(state, 1, 8, B=1, S=64)
   assert mode != "ar"
@@ -678,25 +683,25 @@ def test_flex_corrects_step_costs_with_what_chunks_took():
   hist[1] = 16  # 16 row-steps, one token each
   # A chunk during which something compiled does not count.
   d.observe(hist, mode, k, B=1, steps=16, seconds=1000.0, compiled=True)
-  assert d.cost_scale(1, mode) == 1.0
+  assert d.cost_model.cost_scale(1, mode) == 1.0
   # Then the chunks take 3x what the measured cost predicted: flex falls back
   # (with costs already timed again: see the next test).
-  d.retimed.add(1)
-  d.observe(hist, mode, k, B=1, steps=16, seconds=3 * 16 * d.costs[mode][str(k)])
-  assert d.cost_scale(1, mode) == pytest.approx(3.0)
+  d.cost_model.retimed.add(1)
+  d.observe(hist, mode, k, B=1, steps=16, seconds=3 * 16 * d.cost_model.costs[mode][str(k)])
+  assert d.cost_model.cost_scale(1, mode) == pytest.approx(3.0)
   assert d.choose(state, 1, 8, B=1, S=64) == ("ar", 0)
   why = d.stats()["flex_choices"]["1"]
   assert why["measured_tokens_per_s"] == {f"{mode}:{k}": pytest.approx(16 / 3 / (
-      16 * d.costs[mode][str(k)]), abs=0.01)}
+      16 * d.cost_model.costs[mode][str(k)]), abs=0.01)}
   assert why["cost_scale"][mode] == pytest.approx(3.0)
   # AR has not run: it borrows the machine's slowdown, but only up to
   # MACHINE_DRIFT (3x is the mode's own)...
-  assert d.cost_scale(1, "ar") == pytest.approx(flex.MACHINE_DRIFT)
+  assert d.cost_model.cost_scale(1, "ar") == pytest.approx(flex_costs.MACHINE_DRIFT)
   # ... and once it has chunks of its own, they decide.
   d.observe(hist, "ar", 0, B=1, steps=16, seconds=16 * 1.1)
-  assert d.cost_scale(1, "ar") == pytest.approx(1.1)
+  assert d.cost_model.cost_scale(1, "ar") == pytest.approx(1.1)
   # Other batch shapes keep their own corrections.
-  assert d.cost_scale(4, mode) == 1.0
+  assert d.cost_model.cost_scale(4, mode) == 1.0
 
 
 def test_flex_times_the_steps_again_where_decoding_ran_far_off_them():
@@ -710,7 +715,7 @@ def test_flex_times_the_steps_again_where_decoding_ran_far_off_them():
 
   def time_step(state, mode, k):
     timings.append((mode, k))
-    return (busy if len(timings) <= 3 * flex.TIMING_ROUNDS else real)[(mode, k)]
+    return (busy if len(timings) <= 3 * flex_costs.TIMING_ROUNDS else real)[(mode, k)]
 
   drafter = types.SimpleNamespace(
       config=types.SimpleNamespace(block_size=8, bonus_input=True, drafts_blind=False,
@@ -721,25 +726,25 @@ def test_flex_times_the_steps_again_where_decoding_ran_far_off_them():
                       buckets, time_step)
   state = _conf_state([0.8] * 7)
   mode, k = d.choose(state, 1, 8, B=1, S=64)
-  assert len(timings) == 3 * flex.TIMING_ROUNDS and (mode, k) != ("sequential", 8)
+  assert len(timings) == 3 * flex_costs.TIMING_ROUNDS and (mode, k) != ("sequential", 8)
   hist = np.zeros(9, np.int64)
   hist[k] = 8  # every draft verified is accepted
   # chunks far off the timed cost, but fewer than RETIME_STEPS, change nothing ...
-  d.observe(hist, mode, k, B=1, steps=8, seconds=8 * 0.6 * d._cost(mode, k))
-  assert not d.timing_was_off(1)
+  d.observe(hist, mode, k, B=1, steps=8, seconds=8 * 0.6 * d.cost_model._cost(mode, k))
+  assert not d.cost_model.timing_was_off(1)
   d.choose(state, 1, 8, B=1, S=64)
-  assert len(timings) == 3 * flex.TIMING_ROUNDS
+  assert len(timings) == 3 * flex_costs.TIMING_ROUNDS
   # ... over RETIME_STEPS steps the steps are timed again
-  d.observe(hist, mode, k, B=1, steps=8, seconds=8 * 0.6 * d._cost(mode, k))
-  assert d.timing_was_off(1)
+  d.observe(hist, mode, k, B=1, steps=8, seconds=8 * 0.6 * d.cost_model._cost(mode, k))
+  assert d.cost_model.timing_was_off(1)
   assert d.choose(state, 1, 8, B=1, S=64) == ("sequential", 8)
-  assert len(timings) == 6 * flex.TIMING_ROUNDS
-  assert d.costs["sequential"]["8"] == real[("sequential", 8)]
-  assert d.realized.get(1) is None and not d.timing_was_off(1)
+  assert len(timings) == 6 * flex_costs.TIMING_ROUNDS
+  assert d.cost_model.costs["sequential"]["8"] == real[("sequential", 8)]
+  assert d.cost_model.realized.get(1) is None and not d.cost_model.timing_was_off(1)
   # once per batch shape
   d.observe(hist, "sequential", 8, B=1, steps=16, seconds=16 * 3.0)
   d.choose(state, 1, 8, B=1, S=64)
-  assert len(timings) == 6 * flex.TIMING_ROUNDS
+  assert len(timings) == 6 * flex_costs.TIMING_ROUNDS
 
 
 def test_flex_corrects_each_verify_length_by_its_own_chunks():
@@ -747,17 +752,17 @@ def test_flex_corrects_each_verify_length_by_its_own_chunks():
   # right: each length's chunks correct its own cost once it has MIN_TIMED
   # steps, and the mode's other lengths share the mode's ratio.
   d = _driver()
-  d.modes = ("sequential",)
-  d.costs = {"ar": 1.0, "sequential": {"2": 1.5, "3": 1.55, "4": 1.6, "8": 1.8}}
+  d.cost_model.modes = ("sequential",)
+  d.cost_model.costs = {"ar": 1.0, "sequential": {"2": 1.5, "3": 1.55, "4": 1.6, "8": 1.8}}
   hist = np.zeros(9, np.int64)
   hist[1] = 16
   d.observe(hist, "sequential", 8, B=1, steps=16, seconds=16 * 1.5)
   d.observe(hist, "sequential", 4, B=1, steps=16, seconds=16 * 1.6)
-  assert d.cost_scale(1, "sequential", 8) == pytest.approx(1.5 / 1.8)
-  assert d.cost_scale(1, "sequential", 4) == pytest.approx(1.0)
+  assert d.cost_model.cost_scale(1, "sequential", 8) == pytest.approx(1.5 / 1.8)
+  assert d.cost_model.cost_scale(1, "sequential", 4) == pytest.approx(1.0)
   pooled = (16 * 1.5 + 16 * 1.6) / (16 * 1.8 + 16 * 1.6)
-  assert d.cost_scale(1, "sequential", 2) == pytest.approx(pooled)
-  assert d.cost_scale(1, "sequential") == pytest.approx(pooled)
+  assert d.cost_model.cost_scale(1, "sequential", 2) == pytest.approx(pooled)
+  assert d.cost_model.cost_scale(1, "sequential") == pytest.approx(pooled)
   # the prediction uses them: τ(8) ≥ τ(4), so k = 8 at its realized 1.5 beats
   # k = 4 at 1.6 (on the timed costs it would lose wherever τ(8) < 1.125 τ(4))
   rates = d.predicted_rates(_conf_state([0.9] * 7), B=1)
@@ -770,35 +775,37 @@ def test_flex_modes_that_have_not_run_share_the_machine_s_slowdown(monkeypatch):
   # Every mode's chunks run 20 % over the timed costs on a busy machine: AR,
   # not run since, is assumed 20 % slower too (up to MACHINE_DRIFT) ...
   d = _driver(verify_len=2)
-  d.modes = ("sequential",)
-  d.costs = {"ar": 1.0, "sequential": {"2": 1.0}}
+  d.cost_model.modes = ("sequential",)
+  d.cost_model.costs = {"ar": 1.0, "sequential": {"2": 1.0}}
   state = _conf_state([0.1] + [0.5] * 6)  # τ(2) = 1.1 at AR's cost
   # (its acceptance counts left out: τ stays the confidences')
   d.observe(np.zeros(9), "sequential", 2, B=1, steps=16, seconds=16 * 1.2)
-  assert d.cost_scale(1, "ar") == pytest.approx(1.2)
+  assert d.cost_model.cost_scale(1, "ar") == pytest.approx(1.2)
   # ... but where speculation wins only so (1.1 / 1.2 against AR's 1 / 1.0),
   # the slowdown may be the mode's own: MIN_TIMED AR steps time AR first.
   assert d.choose(state, 1, 2, B=1, S=64) == ("ar", 0)
   assert d.stats()["flex_choices"]["1"]["timing_ar"]
-  assert d.chunk_steps(1, "ar", 0, default=64) == flex.MIN_TIMED
+  assert d.chunk_steps(1, "ar", 0, default=64) == flex_costs.MIN_TIMED
   assert not d.sticky_ar("sequential")
-  d.observe(np.zeros(9), "ar", 0, B=1, steps=flex.MIN_TIMED, seconds=flex.MIN_TIMED * 1.0)
+  d.observe(np.zeros(9), "ar", 0, B=1, steps=flex_costs.MIN_TIMED,
+            seconds=flex_costs.MIN_TIMED * 1.0)
   assert not d.sticky_ar("ar")  # the choice is made again once AR is timed
   # AR ran as timed: the slowdown was speculation's own
   assert d.choose(state, 1, 2, B=1, S=64) == ("ar", 0)
   assert not d.stats()["flex_choices"]["1"]["timing_ar"]
   # AR ran 20 % slow as well: the machine's, and speculation wins
-  d.realized[1].pop(("ar", 0))
-  d.observe(np.zeros(9), "ar", 0, B=1, steps=flex.MIN_TIMED, seconds=flex.MIN_TIMED * 1.2)
-  assert d.cost_scale(1, "ar") == pytest.approx(1.2)
+  d.cost_model.realized[1].pop(("ar", 0))
+  d.observe(np.zeros(9), "ar", 0, B=1, steps=flex_costs.MIN_TIMED,
+            seconds=flex_costs.MIN_TIMED * 1.2)
+  assert d.cost_model.cost_scale(1, "ar") == pytest.approx(1.2)
   monkeypatch.setattr(flex, "AR_MARGIN", 1.0)  # (1.1 / 1.2 vs 1 / 1.2: within 1.05)
   assert d.choose(state, 1, 2, B=1, S=64) == ("sequential", 2)
 
 
 def test_flex_reports_its_predictions_against_its_chunks():
   d = _driver(verify_len=2)
-  d.modes = ("sequential",)
-  d.costs = {"ar": 1.0, "sequential": {"2": 1.0}}
+  d.cost_model.modes = ("sequential",)
+  d.cost_model.costs = {"ar": 1.0, "sequential": {"2": 1.0}}
   state = _conf_state([[0.5] + [0.5] * 6] * 2)  # τ(2) = 1.5
   assert d.choose(state, 2, 2, B=2, S=64) == ("sequential", 2)
   hist = np.zeros(9, np.int64)
@@ -820,22 +827,22 @@ def test_generate_sums_flex_s_chunks_over_the_batches_of_one_shape():
       "committed_tokens": 0, "verified_row_steps": 0, "accept_hist": [0],
       "draft_dtype": None, "flex_threshold": "auto", "step_costs": {},
       "flex_choices": {"1": {"choice": ["ar", 0], "chunks": chunks}}}
-  first = part({"sequential:4": flex.chunk_record(8, 30.0, 96, 4.0)})
-  second = part({"sequential:4": flex.chunk_record(24, 50.0, 120, 2.0),
-                 "ar": flex.chunk_record(8, 20.0, 8, 0.5)})
+  first = part({"sequential:4": flex_costs.chunk_record(8, 30.0, 96, 4.0)})
+  second = part({"sequential:4": flex_costs.chunk_record(24, 50.0, 120, 2.0),
+                 "ar": flex_costs.chunk_record(8, 20.0, 8, 0.5)})
   merged = engine._merge_stats([first, second], "flex")["flex_choices"]["1"]["chunks"]
   # 32 steps: predicted (8·30 + 24·50) / 32 = 45; measured 216 tokens in 6 s
-  assert merged["sequential:4"] == flex.chunk_record(32, 45.0, 216, 6.0)
+  assert merged["sequential:4"] == flex_costs.chunk_record(32, 45.0, 216, 6.0)
   assert merged["sequential:4"]["measured_tokens_per_s"] == 36.0
-  assert merged["ar"] == flex.chunk_record(8, 20.0, 8, 0.5)
+  assert merged["ar"] == flex_costs.chunk_record(8, 20.0, 8, 0.5)
   # the parts' own records are left as they were
   assert first["flex_choices"]["1"]["chunks"]["sequential:4"]["steps"] == 8
 
 
 def test_flex_needs_a_margin_over_ar():
   d = _driver(verify_len=2)
-  d.modes = ("sequential",)
-  d.costs = {"ar": 1.0, "sequential": {"2": 1.0}}
+  d.cost_model.modes = ("sequential",)
+  d.cost_model.costs = {"ar": 1.0, "sequential": {"2": 1.0}}
   # τ(2) = 1 + slot 1's confidence: just under the margin, then just over it
   state = _conf_state([flex.AR_MARGIN - 1.01] + [0.5] * 6)
   assert d.choose(state, 1, 2, B=1, S=64) == ("ar", 0)
@@ -846,13 +853,13 @@ def test_flex_needs_a_margin_over_ar():
 def test_flex_keeps_speculating_while_it_is_predicted_as_fast_as_ar():
   # Hysteresis: AR_MARGIN to start speculating, STAY_MARGIN to go on.
   d = _driver(verify_len=2)
-  d.modes = ("sequential",)
-  d.costs = {"ar": 1.0, "sequential": {"2": 1.0}}
+  d.cost_model.modes = ("sequential",)
+  d.cost_model.costs = {"ar": 1.0, "sequential": {"2": 1.0}}
   between = _conf_state([(flex.STAY_MARGIN + flex.AR_MARGIN) / 2 - 1] + [0.5] * 6)
   assert d.choose(between, 1, 2, B=1, S=64) == ("ar", 0)  # from AR: not enough
   d.observe(np.zeros(9), "sequential", 2, B=1, steps=0)
   assert d.choose(between, 1, 2, B=1, S=64) == ("sequential", 2)  # speculating: stays
-  d.costs["sequential"]["2"] = 1.1  # now slower than AR: back to AR
+  d.cost_model.costs["sequential"]["2"] = 1.1  # now slower than AR: back to AR
   assert d.choose(between, 1, 2, B=1, S=64) == ("ar", 0)
 
 
@@ -861,7 +868,7 @@ def test_flex_falls_back_to_ar_when_speculation_is_slower_than_timed(
   def measure(self, state, B, S, again=False):  # sequential "timed" at half of AR
     cost = {"sequential": 0.5e-6, "parallel": 100.0}  # a real step takes ~1 ms
     return {"ar": 1e-6, **{m: {str(k): cost[m] for k in self.buckets} for m in self.modes}}
-  monkeypatch.setattr(flex.FlexPolicy, "measure", measure)
+  monkeypatch.setattr(flex_costs.StepCosts, "measure", measure)
   prompts = prompts_for(1, seed=11)
   drafter = random_drafter(target, block_size=4, noise=0.5)
   ref = fd.generate(target, prompts, max_new_tokens=80)
@@ -882,22 +889,22 @@ def test_flex_falls_back_to_ar_when_speculation_is_slower_than_timed(
 
 def test_step_cost_key_names_the_cost_model_version_and_the_draft_pass(monkeypatch):
   # costs timed before a change to the decode step are not reused after it
-  d = _driver()
-  d.target = types.SimpleNamespace(fingerprint="fp")
-  d.drafter.config.num_layers, d.drafter.config.draft_vocab = 4, 0
-  d.drafter.params = {}
-  now = d.cost_key(1, 256)
-  assert now == d.cost_key(1, 256) and now != d.cost_key(4, 256)
+  c = _driver().cost_model
+  c.target = types.SimpleNamespace(fingerprint="fp")
+  c.drafter.config.num_layers, c.drafter.config.draft_vocab = 4, 0
+  c.drafter.params = {}
+  now = c.cost_key(1, 256)
+  assert now == c.cost_key(1, 256) and now != c.cost_key(4, 256)
   # a draft pass in bf16 costs less: its own entry
-  d.drafter.params = {"deep_mlp": [{"gate_t": jnp.zeros((2, 2), jnp.bfloat16)}]}
-  assert d.cost_key(1, 256) != now
-  d.drafter.params = {}
+  c.drafter.params = {"deep_mlp": [{"gate_t": jnp.zeros((2, 2), jnp.bfloat16)}]}
+  assert c.cost_key(1, 256) != now
+  c.drafter.params = {}
   # so does a draft pass that re-scores slot by slot (the n-gram prior)
-  d.drafter.config.rescores, d.drafter.config.rescore_top = True, 32
-  assert d.cost_key(1, 256) != now
-  d.drafter.config.rescores = False
-  monkeypatch.setattr(flex, "STEP_COST_VERSION", flex.STEP_COST_VERSION - 1)
-  assert d.cost_key(1, 256) != now
+  c.drafter.config.rescores, c.drafter.config.rescore_top = True, 32
+  assert c.cost_key(1, 256) != now
+  c.drafter.config.rescores = False
+  monkeypatch.setattr(flex_costs, "STEP_COST_VERSION", flex_costs.STEP_COST_VERSION - 1)
+  assert c.cost_key(1, 256) != now
 
 
 def test_step_cost_cache_location_and_failures(target, tmp_path, monkeypatch):

@@ -190,14 +190,14 @@ def test_flex_weighs_draft_trees(target, cost_cache, monkeypatch, cheapest):
   """With `tree_budget`, flex weighs trees of each budget (8, 16, …, N) beside
   AR and the chains, and runs the one its measured costs favour: trees run as
   sequential steps verifying a tree, losslessly."""
-  from flexdraft_jax.decoding import chunk, flex
+  from flexdraft_jax.decoding import chunk, flex_costs
   def measure(self, state, B, S, again=False):
     cost = lambda m: 1.0 if m == cheapest else 100.0
     out = {"ar": cost("ar"),
            **{m: {str(k): cost(m) for k in self.buckets} for m in ("sequential", "parallel")}}
     out["tree"] = {str(n): cost("tree") for n in self.tree_budgets}
     return out
-  monkeypatch.setattr(flex.FlexPolicy, "measure", measure)
+  monkeypatch.setattr(flex_costs.StepCosts, "measure", measure)
   prompts = prompts_for(3, seed=4)
   drafter = ngram_drafter(target, block_size=4, weight=1.0)
   ref = fd.generate(target, prompts, max_new_tokens=40)
@@ -227,7 +227,7 @@ def test_flex_tree_tau_fits_what_trees_accepted(target):
   policy = flex.FlexPolicy(target, drafter,
                            fd.SpecOptions(tree_budget=16), (2, 3, 4), None,
                            tree_mass=lambda state, n: mass[:, :n - 1])
-  assert policy.tree_budgets == (8, 16)
+  assert policy.cost_model.tree_budgets == (8, 16)
   chain_mass = float(np.cumprod(np.asarray(st.conf_BxD, np.float64), axis=1).sum())
   tau = policy.tau_by_tree(st, 2.0)
   assert tau[8] == pytest.approx(1.0 + 7 * 0.05 / chain_mass, rel=1e-6)

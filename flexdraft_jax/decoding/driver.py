@@ -50,7 +50,7 @@ class Driver:
   @property
   def timing_spans(self) -> list:
     """(start, end) wall time spent timing steps, not decoding."""
-    return self.policy.timing_spans if self.policy else []
+    return self.policy.cost_model.timing_spans if self.policy else []
 
   def _refreshes(self, mode) -> bool:
     """Whether a chunk of `mode` now first refreshes drafts gone stale in AR."""

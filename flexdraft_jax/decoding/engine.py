@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from flexdraft_jax import checks, compile_cache
-from flexdraft_jax.decoding import flex, memory_maps, sharding, timing
+from flexdraft_jax.decoding import flex_costs, memory_maps, sharding, timing
 from flexdraft_jax.decoding.chunk import prefill_batch
 from flexdraft_jax.decoding.driver import Driver
 from flexdraft_jax.decoding.options import (Mode, RuntimeOptions, SpecOptions,
@@ -652,5 +652,5 @@ def _merge_stats(parts, mode):
       runs = [p["flex_choices"][b]["chunks"] for p in parts
               if "chunks" in p.get("flex_choices", {}).get(b, {})]
       if runs:
-        c["chunks"] = flex.merge_chunk_records(runs)
+        c["chunks"] = flex_costs.merge_chunk_records(runs)
   return s

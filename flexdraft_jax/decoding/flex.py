@@ -1,11 +1,11 @@
-"""Flex's choice of (mode, verify length k) and its cost model.
+"""Flex's choice of (mode, verify length k): the acceptance model and the policy.
 
 Flex decoding (SPEC §2, §7): parallel while the live batch is at or below `B*`,
 sequential above it. With `B* = "auto"` the driver chooses a (mode, verify
-length k) pair: for this target, drafter, hardware and batch shape it measures
-step costs once (AR, and each speculative mode at the shortest and longest k;
-lengths between are interpolated) and predicts tokens/s = τ(k) / cost(mode, k)
-with τ(k) = 1 + Σ_{i<k} Π_{j≤i} r_j, r_j the acceptance rate of draft slot j
+length k) pair: it predicts tokens/s = τ(k) / cost(mode, k) — cost(mode, k)
+the step cost flex_costs.py measures for this target, drafter, hardware and
+batch shape and corrects by what the decoding chunks took — with
+τ(k) = 1 + Σ_{i<k} Π_{j≤i} r_j, r_j the acceptance rate of draft slot j
 given the slots before it were accepted — counted from the recent steps where
 slot j was verified (older counts weigh `ACCEPT_DECAY` less per `DECAY_STEPS`
 steps of a chunk that verified slot j: a run at a short k keeps what longer
@@ -16,17 +16,8 @@ predicted acceptance at this temperature (`prior_scale`) — which is all there
 is for slots never verified. AR competes with τ = 1;
 a speculative choice must beat it by `AR_MARGIN` to start, and stays while
 it is predicted at least as fast (AR steps observe no acceptance, so a switch
-to AR on a noisy estimate would stand unchallenged until the next probe). What the
-chunks then really cost corrects the model: per (mode, k) once it has run
-`MIN_TIMED` steps, else per mode, the ratio of the seconds the decoding chunks
-took to what the measured costs predicted scales those costs, so a mode
-slower than timed falls back to AR at the next choice (a mode that has not
-run lately borrows the others' ratio, up to `MACHINE_DRIFT`: a busy machine
-slows every mode; where speculation would win only by AR's borrowed slowdown,
-`MIN_TIMED` AR steps first tell whether AR slowed down too); where they ran
-more than `RETIME` off, the timing itself was
-off and flex times the steps again (once per batch shape and run);
-until a (mode, k) has timed steps at this batch shape its chunks are short
+to AR on a noisy estimate would stand unchallenged until the next probe).
+Until a (mode, k) has timed steps at this batch shape its chunks are short
 (`PROBE_STEPS`), so a wrong first choice costs a few steps. AR learns nothing
 about acceptance, so where speculation came close flex probes it again after
 `AR_STRETCH` AR steps, then after twice as many, and so on — later where a
@@ -38,21 +29,14 @@ its drafts' confidence, and its tokens left).
 `stats()` reports, per batch shape, what flex predicted for the chunks it ran
 against what they measured, and its predicted × AR of each (mode, k) over
 the run.
-The measured costs are kept in a JSON file (step_costs.py) and in memory.
 """
 
 from __future__ import annotations
 
-import sys
-import time
-
-import jax
 import numpy as np
 
-from flexdraft_jax.decoding import step_costs
+from flexdraft_jax.decoding import flex_costs
 from flexdraft_jax.decoding.options import TREE, Mode
-from flexdraft_jax.drafter.model import narrowed_dtype
-from flexdraft_jax.kernels import cpu_matmul
 
 # Pseudo-row-steps of the confidence-based prior in each slot's acceptance
 # rate: a slot verified n times weighs its own count n / (n + PRIOR_WEIGHT).
@@ -71,9 +55,6 @@ TEMPERATURE_SCALE = 0.55
 # (target, drafter config, temperature) -> the last fitted prior_scale in this
 # process: where the next request with them starts (its first guess).
 _SCALES: dict = {}
-# Decoding steps of a mode before their wall time corrects its costs (and before
-# its chunks grow from probes to full length): two probe chunks.
-MIN_TIMED = 8
 # A speculative (mode, k) starts only if its predicted tokens/s is at least this
 # times AR's: step timings on a shared CPU vary by ~10 %, and AR is the safe side.
 # Once speculating it stays while it is predicted at least as fast as AR
@@ -106,24 +87,7 @@ EXPLORE = 0.8
 # which runs high (batch 4 here: predicted 0.92x AR, and the probe gained the
 # batch's last row nothing; two such probes in 64 steps cost ≈ 5 %).
 PROBE_BUDGET = 0.04
-TIMING_ROUNDS = 3  # rounds of timing every variant (measure)
-# Part of the step-cost cache key: bump it when a change to the decode step
-# changes what a step costs, so costs timed before it are timed again
-# (2: the transposed decode layout and buckets 2, 3, 4, 8, 16, 2026-12-02).
-STEP_COST_VERSION = 2
-# Where a mode's decoding chunks (RETIME_STEPS of them at least) ran more than
-# RETIME times slower or faster than its timed costs predicted, the timing
-# itself was off — a busy spell of a shared CPU while `measure` ran (it skews
-# the two timed lengths apart, and the interpolation between them inherits
-# it), or a cached table from other conditions: flex times the steps again,
-# once per batch shape and run. (On a quiet machine the corrections stay
-# within a few %: 0.995 and 1.023 in two batch-1 runs here.)
-RETIME = 1.25
-RETIME_STEPS = 2 * MIN_TIMED
-# How much slower (or faster) than timed a shared CPU may run all modes at
-# once: a mode that has not run since inherits the others' correction up to
-# this factor; beyond it the slowdown is the mode's own (cost_scale).
-MACHINE_DRIFT = 1.5
+
 
 def tree_budgets(budget) -> tuple:
   """The draft-tree budgets flex weighs under `SpecOptions.tree_budget` N: the
@@ -137,39 +101,16 @@ def tree_budgets(budget) -> tuple:
   return tuple(out) + (budget,)
 
 
-def chunk_record(steps: int, predicted: float, tokens: int, seconds: float) -> dict:
-  """What flex predicted for the `steps` decoding steps of one (mode, k) (tokens/s,
-  weighed by steps) against what they measured (`tokens` in `seconds`)."""
-  return {"steps": steps, "predicted_tokens_per_s": round(predicted, 2),
-          "measured_tokens_per_s": round(tokens / seconds, 2),
-          "tokens": tokens, "seconds": round(seconds, 4)}
-
-
-def merge_chunk_records(records) -> dict:
-  """The chunk records (`chunk_record`, by (mode, k) name) of several batches of
-  one shape, summed: steps, tokens and seconds add up, the prediction is
-  weighed by steps."""
-  acc = {}
-  for rec in records:
-    for name, r in rec.items():
-      a = acc.setdefault(name, [0, 0.0, 0, 0.0])
-      a[0] += r["steps"]
-      a[1] += r["steps"] * r["predicted_tokens_per_s"]
-      a[2] += r["tokens"]
-      a[3] += r["seconds"]
-  return {name: chunk_record(w, t / w, tok, sec) for name, (w, t, tok, sec) in acc.items()}
-
-
 class FlexPolicy:
   """What flex has seen (per-slot acceptance, step costs) and what it chooses.
 
-  `time_step(state, mode, k)` runs one full step of (mode, k) on a copy of
-  `state` and returns its seconds (the driver owns the jitted chunk).
+  The step costs, and the kinds of step weighed (`families`), are its
+  `cost_model`'s (flex_costs.StepCosts, given `time_step`).
   """
 
   def __init__(self, target, drafter, opts, buckets, time_step, parallel_drafter=None,
                tree_mass=None, temperature: float = 0.0):
-    self.target, self.drafter, self.opts = target, drafter, opts
+    self.opts = opts
     # Where confidence's scale starts (prior_scale): what the last request with
     # this target, drafter and temperature ended with in this process.
     self._scale_key = (getattr(target, "fingerprint", None), repr(drafter.config),
@@ -180,20 +121,12 @@ class FlexPolicy:
     # compete as (TREE, N); `tree_mass(state, N)` gives their nodes' draft
     # probabilities (the prior of their τ, `tau_by_tree`).
     self.tree_mass = tree_mass
-    self.tree_budgets = tree_budgets(getattr(opts, "tree_budget", None)) if tree_mass else ()
+    budgets = tree_budgets(getattr(opts, "tree_budget", None)) if tree_mass else ()
+    self.cost_model = flex_costs.StepCosts(target, drafter, opts, buckets, time_step,
+                                           parallel_drafter, budgets)
     # Per budget, decayed over its chunks: [row-steps, tokens] of tree steps.
-    self.tree_seen = {n: np.zeros(2) for n in self.tree_budgets}
-    self.parallel_drafter = parallel_drafter
-    self.buckets, self.time_step = buckets, time_step
-    # Parallel mode drafts in the verify forward, before the bonus is known:
-    # only with a drafter trained to draft so (DrafterConfig.drafts_blind), or
-    # a parallel drafter of its own.
-    self.modes = ((Mode.SEQUENTIAL, Mode.PARALLEL)
-                  if drafter.config.drafts_blind or parallel_drafter is not None
-                  else (Mode.SEQUENTIAL,))
+    self.tree_seen = {n: np.zeros(2) for n in budgets}
     bs = drafter.config.block_size
-    self.costs = None              # step costs at the current batch shape
-    self.cost_path = step_costs.cost_cache_path(getattr(opts, "cost_cache", "default"))
     self.ar_hist = 0               # the accept histogram's counts from AR steps
     # Draft slot i (1-based): row-steps where it was verified / accepted.
     self.verified = np.zeros(bs)
@@ -204,11 +137,6 @@ class FlexPolicy:
     self.expected = np.zeros(bs)
     self._prior_c = np.ones(bs)
     self.choices = {}              # batch rows -> the last choice and its prediction
-    self.measured = {}             # batch rows -> step costs ("auto")
-    self.retimed = set()           # batch rows whose costs were timed again
-    # Batch rows -> {(mode, k): [steps, seconds, tokens]} of decoding chunks
-    # during which nothing compiled.
-    self.realized = {}
     # Mean confidence survival per slot over recent choices (decayed), whence
     # the prior of slots with few verifications (tau_by_length).
     self.conf_sum, self.conf_n = np.zeros(bs), 0.0
@@ -230,18 +158,7 @@ class FlexPolicy:
     # prediction weighed by the steps decoded on it (stats: "run_predicted_over_ar").
     self.predicted_run = {}
     self._predicted = {}
-    # Batch rows -> {(mode, k): [Σ steps · predicted tokens/s, Σ steps]} of the
-    # chunks that ran on each choice (compiling ones left out, as in `realized`).
-    self.predicted_chunks = {}
     self._chosen = None            # ((mode, k), its predicted tokens/s)
-    self.timing_spans = []         # (start, end) wall time of step-cost measurements
-
-  @property
-  def families(self) -> tuple:
-    """Every speculative kind of step with its lengths k: the modes with the
-    verify lengths, and draft trees (TREE) with their budgets."""
-    return tuple((m, self.buckets) for m in self.modes) + (
-        ((TREE, self.tree_budgets),) if self.tree_budgets else ())
 
   def observe(self, delta_hist, mode: str, k: int, B: int = 0, steps: int = 0,
               seconds: float = 0.0, compiled: bool = False):
@@ -273,15 +190,10 @@ class FlexPolicy:
       acc[1] += steps
     if compiled:
       return
-    if self._chosen and self._chosen[0] == (mode, k):
-      acc = self.predicted_chunks.setdefault(B, {}).setdefault((mode, k), [0.0, 0])
-      acc[0] += steps * self._chosen[1]
-      acc[1] += steps
+    on_choice = self._chosen and self._chosen[0] == (mode, k)
     tokens = int((np.arange(len(delta_hist)) * delta_hist).sum())
-    row = self.realized.setdefault(B, {}).setdefault((mode, k), [0, 0.0, 0])
-    row[0] += steps
-    row[1] += seconds
-    row[2] += tokens
+    self.cost_model.observe(B, mode, k, steps, seconds, tokens,
+                            predicted=self._chosen[1] if on_choice else None)
 
   @staticmethod
   def _decay(steps: int) -> float:
@@ -300,56 +212,10 @@ class FlexPolicy:
       return max(1, min(default, self.probe_at - self.ar_since_probe))
     # The mode's timed steps at any k: its costs at other k are interpolated
     # and share its correction (cost_scale), so a new k needs no probe.
-    timed = sum(r[0] for (m, _), r in self.realized.get(B, {}).items() if m == mode)
-    if self.probing or timed < MIN_TIMED:
+    timed = self.cost_model.timed_steps(B, mode)
+    if self.probing or timed < flex_costs.MIN_TIMED:
       return min(default, PROBE_STEPS)
     return default
-
-  def cost_scale(self, B: int, mode: str, k: int = 0) -> float:
-    """Seconds the decoding chunks of `mode` took over what the step costs
-    predicted for them: those at verify length `k` where it has MIN_TIMED
-    steps at B (its timed or interpolated cost may be off by itself: two
-    lengths of one mode are timed, each in a few steps), else all of the
-    mode's. A mode with fewer than MIN_TIMED such steps borrows the other
-    modes' ratio clipped to [1 / MACHINE_DRIFT, MACHINE_DRIFT] — the machine
-    runs slower or faster now than when the costs were timed, for every mode
-    alike — and 1 where no mode has any."""
-    if self.costs is None:
-      return 1.0
-    if k:
-      own = self._realized_ratio(B, lambda m, kk: (m, kk) == (mode, k))
-      if own is not None:
-        return own
-    own = self._realized_ratio(B, lambda m, kk: m == mode)
-    if own is not None:
-      return own
-    other = self._realized_ratio(B, lambda m, kk: m != mode)
-    if other is None:
-      return 1.0
-    return float(np.clip(other, 1.0 / MACHINE_DRIFT, MACHINE_DRIFT))
-
-  def timing_was_off(self, B: int) -> bool:
-    """Whether some mode's chunks at B ran beyond RETIME of its timed costs
-    (over RETIME_STEPS steps) and B was not timed again yet (see RETIME)."""
-    if B in self.retimed:
-      return False
-    for mode in (Mode.AR,) + tuple(m for m, _ in self.families):
-      r = self._realized_ratio(B, lambda m, kk: m == mode, RETIME_STEPS)
-      if r is not None and not 1.0 / RETIME <= r <= RETIME:
-        return True
-    return False
-
-  def _realized_ratio(self, B: int, pick, min_steps: int = MIN_TIMED):
-    """Realized / predicted seconds of the chunks at B whose (mode, k) `pick`
-    selects; None under `min_steps` steps."""
-    rows = [(m, kk, r) for (m, kk), r in self.realized.get(B, {}).items() if pick(m, kk)]
-    if sum(r[0] for _, _, r in rows) < min_steps:
-      return None
-    predicted = sum(r[0] * self._cost(m, kk) for m, kk, r in rows)
-    return sum(r[1] for _, _, r in rows) / predicted
-
-  def _cost(self, mode: str, k: int) -> float:
-    return self.costs["ar"] if mode == Mode.AR else self.costs[mode][str(k)]
 
   def count_acceptance(self, delta_hist, k: int):
     """Adds a chunk's verified and accepted counts per slot, and what the
@@ -365,12 +231,12 @@ class FlexPolicy:
     """An AR choice stands until the batch shape changes or, where
     speculation came close (`explore_ar`), until the next probe is due: AR
     steps observe no τ, so the prediction cannot change meanwhile."""
-    return (self.opts.flex_threshold == "auto" and self.costs is not None
+    return (self.opts.flex_threshold == "auto" and self.cost_model.costs is not None
             and last_mode == Mode.AR
             and not (self.explore_ar and self.ar_since_probe >= self.probe_at))
 
   def shape_changed(self):
-    self.costs = None  # step costs depend on the batch
+    self.cost_model.shape_changed()  # step costs depend on the batch
     self.row_tok = self.row_steps = self.row_mean = self._prev_n_out = None  # the rows moved
 
   def _see_rows(self, state):
@@ -425,14 +291,10 @@ class FlexPolicy:
     """(mode, k) for the next chunk at batch B (`live` rows live); `k` is the
     verify length the options ask for."""
     if self.opts.flex_threshold != "auto":
-      small = live <= self.opts.flex_threshold and Mode.PARALLEL in self.modes
+      small = live <= self.opts.flex_threshold and Mode.PARALLEL in self.cost_model.modes
       return (Mode.PARALLEL if small else Mode.SEQUENTIAL), k
-    if self.costs is None:
-      self.costs = self.measured[str(B)] = self.measure(state, B, S)
-    elif self.timing_was_off(B):
-      self.retimed.add(B)
-      self.realized.pop(B, None)  # corrections of the old costs
-      self.costs = self.measured[str(B)] = self.measure(state, B, S, again=True)
+    cm = self.cost_model
+    cm.time_if_needed(state, B, S)
     self._see_confidence(state)
     self._see_rows(state)
     self._prior_c = self._conf_ratio()  # what the next chunk's counts are held to
@@ -443,8 +305,8 @@ class FlexPolicy:
     speculating = self._last_chunk[0] != Mode.AR
     margin = STAY_MARGIN if speculating else AR_MARGIN
     # AR's own chunks at B, or the machine's slowdown borrowed from the others:
-    ar_borrows = self._realized_ratio(B, lambda m, kk: m == Mode.AR) is None
-    own_ar_rate = 1.0 / self.costs["ar"] if ar_borrows else ar_rate
+    ar_borrows = cm.borrows(B, Mode.AR)
+    own_ar_rate = 1.0 / cm.costs["ar"] if ar_borrows else ar_rate
     self.timing_ar = (ar_borrows and best_rate >= margin * ar_rate
                       and best_rate < margin * own_ar_rate)
     if self.timing_ar:
@@ -452,7 +314,7 @@ class FlexPolicy:
       # its own timing that was off (k = 8 timed 20 % low at batch 2 here, while
       # AR ran as timed): MIN_TIMED AR steps tell.
       best, self.explore_ar = (Mode.AR, 0), True
-      self.ar_since_probe, self.probe_at = 0, MIN_TIMED
+      self.ar_since_probe, self.probe_at = 0, flex_costs.MIN_TIMED
     elif best_rate < margin * ar_rate:
       # Not worth it by the estimate; probe it now and then if it came close.
       self.explore_ar = best_rate >= EXPLORE * AR_MARGIN * ar_rate
@@ -471,13 +333,8 @@ class FlexPolicy:
     self.choices[str(B)] = {
         "choice": [str(best[0]), best[1]],
         "tokens_per_s": {name(m, kk): round(r * live, 2) for (m, kk), r in rates.items()},
-        "measured_tokens_per_s": {name(m, kk): round(r[2] / r[1], 2)
-                                  for (m, kk), r in self.realized.get(B, {}).items()
-                                  if r[1] > 0},
-        "cost_scale": {**{str(m): round(self.cost_scale(B, m), 3)
-                          for m in (Mode.AR,) + tuple(m for m, _ in self.families)},
-                       **{name(m, kk): round(self.cost_scale(B, m, kk), 3)
-                          for m, kk in self.realized.get(B, {}) if m != Mode.AR}},
+        "measured_tokens_per_s": cm.measured_rates(B, name),
+        "cost_scale": cm.scales(B, name),
         "probe": self.probing,
         "timing_ar": self.timing_ar,
         "next_probe_after_ar_steps": (self.probe_at - self.ar_since_probe
@@ -488,8 +345,7 @@ class FlexPolicy:
     """AR steps since the last probe before probing `best` again: `ar_stretch`,
     or more where PROBE_STEPS steps of `best` that gain nothing over AR would
     cost more than PROBE_BUDGET of them."""
-    ratio = (self._cost(*best) * self.cost_scale(B, *best)
-             / (self.costs["ar"] * self.cost_scale(B, Mode.AR)))
+    ratio = self.cost_model.seconds(B, *best) / self.cost_model.seconds(B, Mode.AR)
     loss = PROBE_STEPS * max(ratio - 1.0, 0.0)  # AR steps
     return max(self.ar_stretch, int(np.ceil(loss / PROBE_BUDGET)))
 
@@ -505,15 +361,15 @@ class FlexPolicy:
   def predicted_rates(self, state, B: int = 0) -> dict:
     """{(mode, k): predicted tokens per second per row} for AR and every bucket:
     τ(k) over the step cost, corrected by what the chunks at B rows took."""
+    cm = self.cost_model
     tau = self.tau_by_length(state)
-    taus = {m: tau for m in self.modes}
-    if self.tree_budgets:
-      taus[TREE] = self.tau_by_tree(state, tau[self.buckets[-1]])
-    rates = {(Mode.AR, 0): 1.0 / (self.costs["ar"] * self.cost_scale(B, Mode.AR))}
-    for mode, ks in self.families:
+    taus = {m: tau for m in cm.modes}
+    if cm.tree_budgets:
+      taus[TREE] = self.tau_by_tree(state, tau[cm.buckets[-1]])
+    rates = {(Mode.AR, 0): 1.0 / cm.seconds(B, Mode.AR)}
+    for mode, ks in cm.families:
       for k in ks:
-        rates[(mode, k)] = self.row_tau(state, taus[mode][k]) / (
-            self.costs[mode][str(k)] * self.cost_scale(B, mode, k))
+        rates[(mode, k)] = self.row_tau(state, taus[mode][k]) / cm.seconds(B, mode, k)
     return rates
 
   def tau_by_tree(self, state, tau_chain: float) -> dict:
@@ -522,22 +378,23 @@ class FlexPolicy:
     scaled by how much more draft probability the tree's paths hold than the
     chain's (Σ of the nodes' path probabilities against Σ_i Π_{j≤i} conf_j),
     corrected by how the budgets that ran measured against that prior."""
+    budgets = self.cost_model.tree_budgets
     live = ~np.asarray(state.done_B)
-    mass = self.tree_mass(state, self.tree_budgets[-1])
+    mass = self.tree_mass(state, budgets[-1])
     mass = mass[live] if live.any() else mass
     chain = np.cumprod(np.asarray(state.conf_BxD, np.float64), axis=1)
     chain = (chain[live] if live.any() else chain).sum(1).mean()
     gain = np.cumsum(mass.mean(0))               # budget n: gain[n - 2]
     prior = {n: 1.0 + (tau_chain - 1.0) * gain[n - 2] / max(chain, 1e-9)
-             for n in self.tree_budgets}
-    steps = sum(self.tree_seen[n][0] for n in self.tree_budgets)
+             for n in budgets}
+    steps = sum(self.tree_seen[n][0] for n in budgets)
     fit = 1.0
     if steps >= PRIOR_WEIGHT:  # measured gain over the prior's, where trees ran
-      got = sum(self.tree_seen[n][1] - self.tree_seen[n][0] for n in self.tree_budgets)
-      want = sum(self.tree_seen[n][0] * (prior[n] - 1.0) for n in self.tree_budgets)
+      got = sum(self.tree_seen[n][1] - self.tree_seen[n][0] for n in budgets)
+      want = sum(self.tree_seen[n][0] * (prior[n] - 1.0) for n in budgets)
       fit = float(np.clip(got / max(want, 1e-9), 0.25, 4.0))
     out = {}
-    for n in self.tree_budgets:
+    for n in budgets:
       rows, tokens = self.tree_seen[n]
       p = 1.0 + fit * (prior[n] - 1.0)
       out[n] = float((tokens + PRIOR_WEIGHT * p) / (rows + PRIOR_WEIGHT))
@@ -579,95 +436,20 @@ class FlexPolicy:
     prior = np.clip(self.prior_scale() * self._conf_ratio(), 0.0, 1.0)
     r = (self.accepted + PRIOR_WEIGHT * prior) / (self.verified + PRIOR_WEIGHT)
     survive = np.cumprod(r[1:])  # P(slots 1..i all accepted)
-    return {k: 1.0 + float(survive[:k - 1].sum()) for k in self.buckets}
-
-  def cost_key(self, B: int, S: int) -> str:
-    dev = jax.devices()[0]
-    d = self.drafter.config
-    return "|".join(map(str, (
-        f"v{STEP_COST_VERSION}", self.target.fingerprint, dev.platform, dev.device_kind,
-        len(jax.devices()), jax.__version__, B, S, d.block_size, d.num_layers, d.draft_vocab,
-        self.opts.threshold > 0, self.buckets, tuple(map(str, self.modes)),
-        "cpu_matmul" if cpu_matmul.available() else "dot",
-        f"trees{self.tree_budgets}" if self.tree_budgets else "no_trees",
-        narrowed_dtype(self.drafter.params) or "draft_dtype=target",
-        f"rescore{d.rescore_top}" if d.rescores else "no_rescore",
-        *self._parallel_key())))
-
-  def _parallel_key(self) -> tuple:
-    """The parallel drafter's part of the cost key (none without one)."""
-    p = self.parallel_drafter
-    if p is None:
-      return ()
-    d = p.config
-    return ("parallel_drafter", d.num_layers, d.calib_rank,
-            f"rescore{d.rescore_top}" if d.rescores else "no_rescore")
-
-  def _nearest_length(self, table: dict, B: int, S: int):
-    """The cache length nearest S whose costs at batch B (all else of the key
-    alike) `table` holds, or None."""
-    prefix, suffix = self.cost_key(B, "\0").split("\0")
-    lengths = [int(k[len(prefix):len(k) - len(suffix)]) for k in table
-               if k.startswith(prefix) and k.endswith(suffix)
-               and k[len(prefix):len(k) - len(suffix)].isdigit()]
-    return min(lengths, key=lambda s: (abs(s - S), -s)) if lengths else None
-
-  def measure(self, state, B: int, S: int, again: bool = False) -> dict:
-    """Seconds per step at this batch shape: AR, and each speculative mode at
-    the shortest and longest verify length (the rest interpolated linearly in
-    k). Cached in memory and, where possible, on disk; `again` times them
-    anew (the cached ones were off, see RETIME) and replaces them."""
-    key, table = self.cost_key(B, S), step_costs.read_costs(self.cost_path)
-    if key in table and not again:
-      return table[key]
-    near = None if again else self._nearest_length(table, B, S)
-    if near is not None:
-      # Timing compiles every variant it times; the costs at another cache
-      # length of this batch shape predict this one's first choice, and the
-      # chunks correct them (or, RETIME off, have the steps timed after all).
-      print(f"flex: step costs at batch {B} from the cache length {near} (this request's "
-            f"{S} is not timed unless decoding runs off them)", file=sys.stderr, flush=True)
-      return table[self.cost_key(B, near)]
-    start = time.time()
-    ends = {m: sorted({ks[0], ks[-1]}) for m, ks in self.families}
-    plan = [(Mode.AR, 0)] + [(m, k) for m, _ in self.families for k in ends[m]]
-    where = self.cost_path or "memory only"
-    what = ("again: decoding ran off the timed costs" if again else "once")
-    print(f"flex: timing {len(plan)} step variants at batch {B} {what} (kept in "
-          f"{where})", file=sys.stderr, flush=True)
-    import tqdm
-    # Round-robin, best of TIMING_ROUNDS per variant: a slow spell of a shared
-    # CPU then slows one round of every variant, not all rounds of one.
-    timed = {v: float("inf") for v in plan}
-    for _ in tqdm.trange(TIMING_ROUNDS, desc="flex step costs", leave=False,
-                         disable=not sys.stderr.isatty()):
-      for mode, k in plan:
-        timed[(mode, k)] = min(timed[(mode, k)], self.time_step(state, mode, k))
-    costs = {"ar": timed[(Mode.AR, 0)], "measured_k": ends[self.modes[0]]}
-    for mode, ks in self.families:
-      xs = np.array(ends[mode], float)
-      ys = np.array([timed[(mode, k)] for k in ends[mode]])
-      costs[mode] = {str(k): float(np.interp(k, xs, ys)) for k in ks}
-    step_costs.write_costs(self.cost_path, {key: costs})  # merged into the file
-    self.timing_spans.append((start, time.time()))  # not decoding: left out of its time
-    return costs
+    return {k: 1.0 + float(survive[:k - 1].sum()) for k in self.cost_model.buckets}
 
   def stats(self) -> dict:
     """The measured step costs, and per batch shape: the last choice with its
     predictions; each speculative (mode, k)'s predicted × AR over the run (the
     mean of the predictions the steps ran on); and per (mode, k) flex ran, its
     steps with the tokens/s predicted for them and measured while they ran."""
-    name = lambda m, kk: f"{m}:{kk}" if kk else str(m)
     choices = {b: dict(c) for b, c in self.choices.items()}
     for b, acc in self.predicted_run.items():
       if str(b) in choices:
         choices[str(b)]["run_predicted_over_ar"] = {
             n: round(t / w, 3) for n, (t, w) in acc.items() if w}
-    for b, acc in self.predicted_chunks.items():
-      done = self.realized.get(b, {})
+    for b, chunks in self.cost_model.chunk_records().items():
       if str(b) in choices:
-        choices[str(b)]["chunks"] = {
-            name(m, kk): chunk_record(w, t / w, done[(m, kk)][2], done[(m, kk)][1])
-            for (m, kk), (t, w) in acc.items() if w and done.get((m, kk), [0, 0])[1] > 0}
-    return {"flex_threshold": self.opts.flex_threshold, "step_costs": self.measured,
+        choices[str(b)]["chunks"] = chunks
+    return {"flex_threshold": self.opts.flex_threshold, "step_costs": self.cost_model.measured,
             "flex_choices": choices}
