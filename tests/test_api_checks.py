@@ -18,7 +18,7 @@ import pytest
 
 import flexdraft_jax as fd
 from flexdraft_jax.__main__ import COMMANDS
-from flexdraft_jax.decoding import engine, options
+from flexdraft_jax.decoding import inputs, options
 from flexdraft_jax.drafter import checkpoint
 from tests import tiny
 from tests.decoding_util import random_drafter
@@ -189,18 +189,18 @@ def test_keywords_of_several_groups_and_unknown_keywords(target):
 
 def test_seed_keys_are_jax_keys_for_ordinary_seeds_and_use_all_64_bits():
   for seed, offset in ((0, 0), (3, 2), (2 ** 31, 0), (2 ** 32 - 2, 1)):
-    np.testing.assert_array_equal(engine.seed_key(seed, offset),
+    np.testing.assert_array_equal(inputs.seed_key(seed, offset),
                                   jax.random.PRNGKey(seed + offset))
-  np.testing.assert_array_equal(engine.seed_key(2 ** 63 - 1, 1), [2 ** 31, 0])
-  np.testing.assert_array_equal(engine.seed_key(-1), engine.seed_key(2 ** 64 - 1))
-  np.testing.assert_array_equal(engine.seed_key(2 ** 64 - 1, 1), engine.seed_key(0))
-  assert not np.array_equal(engine.seed_key(5), engine.seed_key(2 ** 32 + 5))
+  np.testing.assert_array_equal(inputs.seed_key(2 ** 63 - 1, 1), [2 ** 31, 0])
+  np.testing.assert_array_equal(inputs.seed_key(-1), inputs.seed_key(2 ** 64 - 1))
+  np.testing.assert_array_equal(inputs.seed_key(2 ** 64 - 1, 1), inputs.seed_key(0))
+  assert not np.array_equal(inputs.seed_key(5), inputs.seed_key(2 ** 32 + 5))
   impl = jax.config.jax_default_prng_impl
   jax.config.update("jax_default_prng_impl", "rbg")  # another key layout: the same rules
   try:
-    np.testing.assert_array_equal(engine.seed_key(3, 2), jax.random.PRNGKey(5))
-    assert engine.seed_key(2 ** 63 - 1, 1).shape == jax.random.PRNGKey(0).shape == (4,)
-    assert not np.array_equal(engine.seed_key(5), engine.seed_key(2 ** 32 + 5))
+    np.testing.assert_array_equal(inputs.seed_key(3, 2), jax.random.PRNGKey(5))
+    assert inputs.seed_key(2 ** 63 - 1, 1).shape == jax.random.PRNGKey(0).shape == (4,)
+    assert not np.array_equal(inputs.seed_key(5), inputs.seed_key(2 ** 32 + 5))
   finally:
     jax.config.update("jax_default_prng_impl", impl)
 

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 import flexdraft_jax as fd
-from flexdraft_jax.decoding import chunk, driver, engine, flex, flex_costs, step_costs
+from flexdraft_jax.decoding import (call_stats, chunk, decode_params, driver, flex, flex_costs,
+                                    inputs, step_costs)
 from flexdraft_jax.drafter import compat
 from flexdraft_jax.drafter.model import init_draft_params
 from flexdraft_jax.model import pytree, transformer
@@ -221,7 +222,7 @@ def test_per_layer_target_decodes_alike_without_a_second_copy(target):
   """A target loaded with layout="layers" is decoded as is (no per-layer copy
   next to a stacked one), fits the same drafters and gives the same tokens."""
   per_layer = target._replace(params=pytree.unstack_layers(target.params))
-  assert engine._decoding_params(per_layer.params) is per_layer.params
+  assert decode_params.decoding_params(per_layer.params) is per_layer.params
   drafter = random_drafter(target, noise=0.5)
   compat.check_compatible(drafter, per_layer)
   with pytest.raises(fd.FlexDraftError, match="attention shapes"):
@@ -242,11 +243,11 @@ def test_per_layer_target_decodes_alike_without_a_second_copy(target):
 def test_decoding_copies_of_stacked_trees_are_bounded(target):
   trees = [dict(target.params, embed=target.params["embed"] + 0) for _ in range(6)]
   for t in trees:
-    engine._decoding_params(t)
-  assert len(engine._unstacked) <= engine._UNSTACKED_MAX
-  assert id(trees[-1]) in engine._unstacked and id(trees[0]) not in engine._unstacked
+    decode_params.decoding_params(t)
+  assert len(decode_params._unstacked) <= decode_params._UNSTACKED_MAX
+  assert id(trees[-1]) in decode_params._unstacked and id(trees[0]) not in decode_params._unstacked
   # a cached tree is served from the cache, not copied again
-  assert engine._decoding_params(trees[-1]) is engine._decoding_params(trees[-1])
+  assert decode_params.decoding_params(trees[-1]) is decode_params.decoding_params(trees[-1])
 
 
 def test_prompt_longer_than_context_is_refused(target):
@@ -265,7 +266,7 @@ def test_oracle_drafts_are_accepted_and_parallel_branch_equals_sequential(target
   ref = fd.generate(target, [prompt], max_new_tokens=12, stop=[]).token_ids[0]
   drafter = random_drafter(target, block_size=4, noise=0.5)
   sp = SamplingParams()
-  kw = dict(sp=sp, max_new=jnp.int32(12), stop_ids=engine._stop_array(()))
+  kw = dict(sp=sp, max_new=jnp.int32(12), stop_ids=inputs.stop_array(()))
   state = chunk.prefill_batch(target.params, drafter.params, jnp.asarray([prompt + [0] * 27]),
                           jnp.asarray([5]), jnp.asarray([True]), jax.random.PRNGKey(0),
                           cfg=target.config, dcfg=drafter.config, S=128, out_len=64,
@@ -358,10 +359,10 @@ def test_narrowed_draft_params_and_the_default_where_the_kernel_runs(target, mon
   from flexdraft_jax.decoding import state as state_lib
   cfg = target.config
   drafter = random_drafter(target, block_size=4, noise=0.5)
-  full = engine._draft_decoding_params(target.params, cfg, drafter.params)
-  bf16 = engine._draft_decoding_params(target.params, cfg, drafter.params, jnp.bfloat16)
-  assert engine._draft_decoding_params(target.params, cfg, drafter.params,
-                                       jnp.bfloat16) is bf16  # made once
+  full = decode_params.draft_decoding_params(target.params, cfg, drafter.params)
+  bf16 = decode_params.draft_decoding_params(target.params, cfg, drafter.params, jnp.bfloat16)
+  assert decode_params.draft_decoding_params(target.params, cfg, drafter.params,
+                                             jnp.bfloat16) is bf16  # made once
   assert narrowed_dtype(full) == "" and narrowed_dtype(bf16) == "bfloat16"
   L, n = drafter.config.num_layers, cfg.num_layers
   assert len(bf16["deep_mlp"]) == L
@@ -378,7 +379,7 @@ def test_narrowed_draft_params_and_the_default_where_the_kernel_runs(target, mon
   prompt = jnp.asarray([[5, 9, 12, 7], [3, 4, 8, 1]])
   _, _, cache = transformer.forward(target.params, cfg, cache, prompt,
                                     jnp.broadcast_to(jnp.arange(4), (B, 4)))
-  per_layer = engine._decoding_params(target.params)
+  per_layer = decode_params.decoding_params(target.params)
   hm = {}
   for name, dp in (("full", full), ("bf16", bf16)):
     d = drafter._replace(params=dp)
@@ -388,11 +389,11 @@ def test_narrowed_draft_params_and_the_default_where_the_kernel_runs(target, mon
   assert 0 < np.abs(hm["bf16"] - hm["full"]).max() < 0.05 * scale
   # "auto": bf16 where the CPU kernel runs an fp32 target, else the target's dtype
   want = jnp.bfloat16 if cpu_matmul.available() else None
-  assert engine.resolve_draft_dtype("auto", target.params) == want
-  assert engine.resolve_draft_dtype("target", target.params) is None
+  assert decode_params.resolve_draft_dtype("auto", target.params) == want
+  assert decode_params.resolve_draft_dtype("target", target.params) is None
   monkeypatch.setenv("FLEXDRAFT_CPU_MATMUL", "0")
-  assert engine.resolve_draft_dtype("auto", target.params) is None
-  assert engine.resolve_draft_dtype("bfloat16", target.params) == jnp.bfloat16
+  assert decode_params.resolve_draft_dtype("auto", target.params) is None
+  assert decode_params.resolve_draft_dtype("bfloat16", target.params) == jnp.bfloat16
 
 
 def test_short_verify_length_keeps_accepting_the_same_drafts():
@@ -820,7 +821,6 @@ def test_flex_reports_its_predictions_against_its_chunks():
 
 
 def test_generate_sums_flex_s_chunks_over_the_batches_of_one_shape():
-  from flexdraft_jax.decoding import engine
   part = lambda chunks: {
       "prefill_seconds": 0.0, "decode_seconds": 1.0, "compile_seconds": 0.0,
       "flex_timing_seconds": 0.0, "new_tokens": 0, "decode_tokens": 0, "steps": 0,
@@ -830,7 +830,7 @@ def test_generate_sums_flex_s_chunks_over_the_batches_of_one_shape():
   first = part({"sequential:4": flex_costs.chunk_record(8, 30.0, 96, 4.0)})
   second = part({"sequential:4": flex_costs.chunk_record(24, 50.0, 120, 2.0),
                  "ar": flex_costs.chunk_record(8, 20.0, 8, 0.5)})
-  merged = engine._merge_stats([first, second], "flex")["flex_choices"]["1"]["chunks"]
+  merged = call_stats.merge_stats([first, second], "flex")["flex_choices"]["1"]["chunks"]
   # 32 steps: predicted (8·30 + 24·50) / 32 = 45; measured 216 tokens in 6 s
   assert merged["sequential:4"] == flex_costs.chunk_record(32, 45.0, 216, 6.0)
   assert merged["sequential:4"]["measured_tokens_per_s"] == 36.0

@@ -45,7 +45,7 @@ ATTN_IMPLS = ("xla", "pallas", "auto")
 # The draft pass's matmul weights: "bfloat16" (half the bytes; drafts may
 # differ slightly, outputs do not), "target" (the target's dtype, as loaded),
 # "auto" (bfloat16 where the CPU kernel runs it on an fp32 target, see
-# `engine.resolve_draft_dtype`).
+# `decode_params.resolve_draft_dtype`).
 DRAFT_DTYPES = ("auto", "bfloat16", "target")
 MAX_POSITIONS = 2 ** 31 - 1  # positions and lengths are int32 on the device
 

@@ -387,7 +387,7 @@ _NARROW_KEYS = tuple(k + "_t" for k in pytree.MATMUL_KEYS) + ("w1_t", "w2_t")
 
 
 def narrow_draft_params(target_params, cfg: ModelConfig, draft_params, dtype):
-  """A decoding draft pytree (per-layer, see `engine._draft_decoding_params`)
+  """A decoding draft pytree (per-layer, see `decode_params.draft_decoding_params`)
   whose draft pass reads its matmul weights in `dtype` (bf16): the draft
   attention, the calibration MLP, the draft head and `deep_mlp` — a copy of
   the deep layers' MLP weights for the mask rows (`transformer.forward`).

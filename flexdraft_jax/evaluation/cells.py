@@ -14,7 +14,7 @@ from typing import NamedTuple, Optional
 import ml_collections
 import numpy as np
 
-from flexdraft_jax.decoding import engine, timing
+from flexdraft_jax.decoding import call_stats, timing
 from flexdraft_jax.decoding.options import (Mode, RuntimeOptions, SpecOptions,
                                             parse_flex_threshold)
 from flexdraft_jax.decoding.sampling import SamplingParams
@@ -118,7 +118,7 @@ def _merge(stats: list) -> dict:
   s["tokens_per_second"] = timing.tokens_per_second(s["decode_tokens"], s["decode_seconds"])
   # τ counts emitted tokens only (nothing past a stop or max_new_tokens)
   s["tau"] = s["decode_tokens"] / max(s["verified_row_steps"], 1)
-  s["mode_emitted"], s["mode_tau"] = engine.mode_emitted(stats), engine.mode_tau(stats)
+  s["mode_emitted"], s["mode_tau"] = call_stats.mode_emitted(stats), call_stats.mode_tau(stats)
   groups = _run_lengths(stats, "group_counts")
   s["mean_groups"] = (sum(int(g) * n for g, n in groups.items()) / sum(groups.values())
                       if groups else None)

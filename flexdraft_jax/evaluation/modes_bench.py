@@ -32,7 +32,7 @@ import statistics
 import time
 from typing import Callable, Optional, Sequence
 
-from flexdraft_jax.decoding.engine import spare_positions
+from flexdraft_jax.decoding.capacity import spare_positions
 from flexdraft_jax.decoding.options import TREE, Mode, RuntimeOptions, SpecOptions
 from flexdraft_jax.decoding.sampling import SamplingParams
 from flexdraft_jax.evaluation import benchmarks

@@ -7,7 +7,7 @@ both stream the same weights; the kernel reads each weight row once per 8
 input rows, and sums every output element in one fixed order whatever the
 number of rows, so an AR step and a verify block compute identical rows.
 With bf16 weights (`w_OxI.dtype == bfloat16`: the draft pass, see
-`engine.draft_dtype`) it rounds x to bf16 and sums exact bf16 products in fp32
+`decode_params.resolve_draft_dtype`) it rounds x to bf16 and sums exact bf16 products in fp32
 — AVX512-BF16's dot instruction where the CPU has it — on half the bytes.
 
 The C++ source is compiled once per machine with the system's C++ compiler

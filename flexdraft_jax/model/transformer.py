@@ -329,7 +329,7 @@ class Transformer(nn.Module):
         attention. A decoding draft pytree may hold `deep_mlp`, per deep layer
         the MLP weights (gate/up/down `_t`, post_norm) the mask rows use in
         place of the target's: a bf16 copy, so the draft pass streams half the
-        bytes (`engine.narrow_draft_params`; clean rows keep the target's).
+        bytes (`drafter.model.narrow_draft_params`; clean rows keep the target's).
       kv_block: read the cache in blocks up to the largest visible position
         (decoding; not differentiable); None reads it whole (training).
       tree: the clean rows are a draft tree (`pytree.TreeRows`): `pos_BxT` are
