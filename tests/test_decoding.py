@@ -1207,3 +1207,22 @@ def test_tau_counts_emitted_tokens_only_overall_and_per_mode(target, cost_cache)
   assert sum(t for _, t in emitted.values()) == out.stats["decode_tokens"]
   assert sum(r for r, _ in emitted.values()) == out.stats["verified_row_steps"]
   assert set(out.stats["mode_tau"]) == set(emitted)
+
+
+def test_a_call_s_batches_share_one_prompt_width(target, monkeypatch):
+  # Each prompt shape is a prefill program to compile or load: the batches of
+  # one call pad their prompts to the call's longest, and decode as before.
+  from flexdraft_jax.decoding import engine
+  widths, real = [], engine.prefill_batch
+
+  def spy(target_params, draft_params, prompt_BxP, *a, **kw):
+    widths.append(prompt_BxP.shape[1])
+    return real(target_params, draft_params, prompt_BxP, *a, **kw)
+
+  prompts = [[5, 6, 7], [3 + i % 50 for i in range(70)], [9, 10]]
+  alone = [fd.generate(target, [p], max_new_tokens=6, stop=[]).token_ids[0] for p in prompts]
+  monkeypatch.setattr(engine, "prefill_batch", spy)
+  out = fd.generate(target, prompts, max_new_tokens=6, stop=[],
+                    runtime=fd.RuntimeOptions(batch_size=1))
+  assert widths == [128, 128, 128]  # 70 tokens padded to a multiple of 64
+  assert out.token_ids == alone

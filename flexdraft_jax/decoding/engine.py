@@ -185,12 +185,17 @@ def _start(target, prompts, *, unknown, drafter, parallel_drafter, mode, max_new
     results, stats_list = [None] * len(ids), []
     narrow = decode_params.resolve_draft_dtype(speculation.draft_dtype, target.params)
     texts = _TextStreams(target.tokenizer) if stream else None
+    # Every batch pads its prompts to the call's longest: one prefill program
+    # for the call (a shape is a program to compile or load) where its batches'
+    # prompt lengths differ.
+    prompt_width = round_up(max(len(x) for x in ids), capacity.PROMPT_PAD)
     for start in range(0, len(ids), batch_size):
       chunk = ids[start:start + batch_size]
       memory_maps.release_if_near_limit()
       batch = _generate_batch(target, chunk, max_new_tokens, sampling,
                               inputs.seed_key(seed, start), drafter, mode, speculation, stop_ids,
-                              runtime, narrow, parallel_drafter, tree_top, stream=stream)
+                              runtime, narrow, parallel_drafter, tree_top, stream=stream,
+                              prompt_width=prompt_width)
       while True:  # the batch's rows so far after each chunk (streaming only)
         try:
           rows = next(batch)
@@ -255,9 +260,11 @@ class _TextStreams:
 
 def _generate_batch(target, ids, max_new, sp, key, drafter, mode, opts, stop_ids,
                     runtime: RuntimeOptions, draft_dtype=None, parallel_drafter=None,
-                    tree_top=0, stream: bool = False):
+                    tree_top=0, stream: bool = False, prompt_width: int = 0):
   """A generator: prefills and decodes one batch; with `stream` it yields
-  {row: its tokens so far} after each chunk. Returns (tokens, stats)."""
+  {row: its tokens so far} after each chunk. Returns (tokens, stats). Prompts
+  are padded to `prompt_width` where the cache holds it, else to their own
+  longest (a multiple of PROMPT_PAD either way)."""
   cfg = target.config
   mesh = sharding.batch_mesh()
   B, Bp = len(ids), sharding.padded_batch(len(ids), mesh)
@@ -265,7 +272,8 @@ def _generate_batch(target, ids, max_new, sp, key, drafter, mode, opts, stop_ids
   bs = drafter.config.block_size if drafter is not None else 1
   S = capacity.cache_length(cfg, plens, max_new, bs, runtime.max_len,
                             opts.tree_budget if tree_top else 0)
-  prompt = np.zeros((Bp, round_up(max(plens), capacity.PROMPT_PAD)), np.int32)
+  own = round_up(max(plens), capacity.PROMPT_PAD)
+  prompt = np.zeros((Bp, max(own, prompt_width if prompt_width <= S else 0)), np.int32)
   for i, x in enumerate(ids):
     prompt[i, :len(x)] = x
   prompt, plen, valid = sharding.put_batch(
