@@ -8,7 +8,9 @@ with now."""
 from __future__ import annotations
 
 import collections
+import functools
 
+import jax
 import jax.numpy as jnp
 
 from flexdraft_jax.drafter.model import draft_head, narrow_draft_params
@@ -46,15 +48,23 @@ def draft_decoding_params(target_params, cfg, draft_params, dtype=None):
   not every step. With `dtype` the draft pass reads its weights narrowed
   (`narrow_draft_params`), a copy cached per (target, drafter) pair."""
   def make():
-    params = decoding_params(draft_params, _draft_layout)
-    if "vocab" in params:
-      params = dict(params, head=draft_head(target_params, cfg, params))
-    return params if dtype is None else narrow_draft_params(target_params, cfg, params,
-                                                            dtype)
+    return _draft_pytree(target_params, draft_params, cfg=cfg,
+                         dtype=None if dtype is None else jnp.dtype(dtype).name)
   if dtype is None:
     return make()
   key = (id(target_params), id(draft_params), str(jnp.dtype(dtype)))
   return _cached(_narrowed, key, (target_params, draft_params), make)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "dtype"))
+def _draft_pytree(target_params, draft_params, *, cfg, dtype):
+  """`draft_decoding_params`'s tree, made in one program (as separate eager
+  operations, one small program each, it took 0.2 s for SmolLM2-135M's)."""
+  params = draft_params if pytree.is_per_layer(draft_params) else _draft_layout(draft_params)
+  if "vocab" in params:
+    params = dict(params, head=draft_head(target_params, cfg, params))
+  return params if dtype is None else narrow_draft_params(target_params, cfg, params,
+                                                          jnp.dtype(dtype))
 
 
 def _draft_layout(draft_params):
