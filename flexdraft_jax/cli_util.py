@@ -20,9 +20,11 @@ def define_compile_cache_flag() -> None:
     delattr(flags.FLAGS, "compile_cache")
   flags.DEFINE_string(
       "compile_cache", None,
-      "folder of JAX's persistent compilation cache, or 'off' (default: "
+      "folder of JAX's persistent compilation cache and of the decode programs "
+      "kept traced, or 'off' (default: "
       f"${compile_cache.ENV}, else {compile_cache.default_root()}; one subfolder "
-      "per JAX version and machine)")
+      "per JAX version and machine; $FLEXDRAFT_KEPT_PROGRAMS=off keeps compiled "
+      "programs only)")
 
 
 def use_compile_cache_flag() -> None:

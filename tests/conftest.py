@@ -186,6 +186,10 @@ def pytest_configure(config):
   rerun. `$FLEXDRAFT_TEST_XLA_CACHE` moves it; the `slow` marker is registered
   in setup.cfg."""
   import jax
+  # Tests patch functions that decode programs call: a traced program kept
+  # from another test (decoding/kept_programs.py) would not see the patch.
+  # The tests of kept programs turn them on where they need them.
+  os.environ["FLEXDRAFT_KEPT_PROGRAMS"] = "off"
   jax.config.update("jax_compilation_cache_dir", os.environ.get(
       "FLEXDRAFT_TEST_XLA_CACHE",
       os.path.join(tempfile.gettempdir(), f"flexdraft_test_xla_cache_{os.getuid()}")))

@@ -12,7 +12,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from flexdraft_jax.decoding import ar, parallel, sequential, tree, verify
+from flexdraft_jax.decoding import ar, kept_programs, parallel, sequential, tree, verify
 from flexdraft_jax.decoding.options import Mode, SpecOptions
 from flexdraft_jax.decoding.state import DecodeState, prefill
 from flexdraft_jax.drafter.model import Drafter
@@ -33,8 +33,16 @@ def group_buckets(bs: int, opts: SpecOptions) -> tuple:
   return tuple(sorted(set(out)))
 
 
-@functools.partial(jax.jit, static_argnames=(
-    "cfg", "dcfg", "S", "sp", "out_len", "attn_impl", "cache_sharding", "tree_top"))
+_PREFILL_STATIC = ("cfg", "dcfg", "S", "sp", "out_len", "attn_impl", "cache_sharding",
+                   "tree_top")
+_CHUNK_STATIC = ("cfg", "dcfg", "mode", "num_groups", "sp", "strategy", "attn_impl",
+                 "refresh", "tree_budget")
+
+
+# Both programs are kept between processes traced (kept_programs.py) as well as
+# compiled (compile_cache.py).
+@kept_programs.kept(name="prefill_batch", static_argnames=_PREFILL_STATIC)
+@functools.partial(jax.jit, static_argnames=_PREFILL_STATIC)
 def prefill_batch(target_params, draft_params, prompt_BxP, plen_B, valid_B, key, *,
              cfg, dcfg, S, sp, max_new, out_len, stop_ids, attn_impl,
              cache_sharding=None, tree_top=0):
@@ -50,9 +58,8 @@ def prefill_batch(target_params, draft_params, prompt_BxP, plen_B, valid_B, key,
                  drafter=drafter, attn_impl=attn_impl, tree_top=tree_top)
 
 
-@functools.partial(jax.jit, donate_argnames=("state",), static_argnames=(
-    "cfg", "dcfg", "mode", "num_groups", "sp", "strategy", "attn_impl", "refresh",
-    "tree_budget"))
+@kept_programs.kept(name="run_chunk", static_argnames=_CHUNK_STATIC, donate_argnums=(2,))
+@functools.partial(jax.jit, donate_argnames=("state",), static_argnames=_CHUNK_STATIC)
 def run_chunk(target_params, draft_params, state: DecodeState, *, cfg, dcfg, mode,
               num_groups, n_steps, sp, max_new, stop_ids, theta, strategy,
               attn_impl, refresh=False, tree_budget=0):

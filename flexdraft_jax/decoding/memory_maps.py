@@ -56,5 +56,7 @@ def release_if_near_limit() -> bool:
 
 def release() -> None:
   """Drops every compiled program (and frees its mappings)."""
+  from flexdraft_jax.decoding import kept_programs
+  kept_programs.clear()
   jax.clear_caches()
   gc.collect()
