@@ -37,7 +37,7 @@ def resolve_draft_dtype(draft_dtype: str, target_params):
   return jnp.bfloat16 if fp32 and cpu_matmul.available() else None
 
 
-# (trees, dtype) -> narrowed draft pytree, the most recent few
+# (trees, dtype) -> decoding draft pytree, the most recent few
 _narrowed = collections.OrderedDict()
 
 
@@ -46,14 +46,11 @@ def draft_decoding_params(target_params, cfg, draft_params, dtype=None):
   `pytree.decode_layer`), the calibration's too, and with a draft
   vocabulary its draft head (those rows of the LM head) gathered once here,
   not every step. With `dtype` the draft pass reads its weights narrowed
-  (`narrow_draft_params`), a copy cached per (target, drafter) pair."""
-  def make():
-    return _draft_pytree(target_params, draft_params, cfg=cfg,
-                         dtype=None if dtype is None else jnp.dtype(dtype).name)
-  if dtype is None:
-    return make()
-  key = (id(target_params), id(draft_params), str(jnp.dtype(dtype)))
-  return _cached(_narrowed, key, (target_params, draft_params), make)
+  (`narrow_draft_params`). Cached per (target, drafter, dtype)."""
+  name = None if dtype is None else jnp.dtype(dtype).name
+  return _cached(_narrowed, (id(target_params), id(draft_params), name),
+                 (target_params, draft_params),
+                 lambda: _draft_pytree(target_params, draft_params, cfg=cfg, dtype=name))
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "dtype"))

@@ -185,6 +185,7 @@ def _custom_calls():
 def _write(path: str, data) -> None:
   """Atomically (a reader sees the whole file or none); a folder that cannot
   be written leaves the program unkept."""
+  tmp = None
   try:
     os.makedirs(os.path.dirname(path), exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
@@ -194,6 +195,8 @@ def _write(path: str, data) -> None:
     os.replace(tmp, path)
   except OSError as e:
     log.warning("flexdraft_jax: cannot keep the traced program %s (%s)", path, e)
+    if tmp is not None and os.path.exists(tmp):
+      os.unlink(tmp)
 
 
 def clear() -> None:
