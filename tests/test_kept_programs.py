@@ -164,6 +164,47 @@ def test_a_program_is_not_read_under_another_source_or_when_damaged(kept_in,
     assert f.read() != b"not a program"
 
 
+def test_the_folder_is_bounded_and_the_least_recently_used_programs_go(kept_in,
+                                                                        monkeypatch):
+  import time
+
+  import jax
+  import jax.numpy as jnp
+  monkeypatch.setenv(kept_programs.ENV, "on")
+  plus_one = kept_programs.kept(name="plus_one", static_argnames=())(
+      jax.jit(lambda x: x + 1))
+  os.makedirs(kept_in)
+  now = time.time()
+  stale = []
+  for age in (300, 200, 100):  # programs of an older source, say: 100 bytes each
+    stale.append(os.path.join(kept_in, f"old{age}{kept_programs.SUFFIX}"))
+    with open(stale[-1], "wb") as f:
+      f.write(b"x" * 100)
+    os.utime(stale[-1], (now - age, now - age))
+  assert plus_one(jnp.ones(3)).tolist() == [2.0] * 3
+  (first,) = [f for f in os.listdir(kept_in) if f.startswith("plus_one-")]
+  first = os.path.join(kept_in, first)
+  size = os.path.getsize(first)
+  os.utime(first, (now - 400, now - 400))  # written longest ago ...
+  plus_one.clear()
+  assert plus_one(jnp.ones(3)).tolist() == [2.0] * 3
+  assert os.path.getmtime(first) > now - 1  # ... but read just now
+  # Room for two programs and 150 bytes more: the two oldest stale files go.
+  monkeypatch.setattr(kept_programs, "MAX_BYTES", 2 * size + 150)
+  assert plus_one(jnp.ones(4)).tolist() == [2.0] * 4
+  second = [f for f in os.listdir(kept_in) if f.startswith("plus_one-")
+            and os.path.join(kept_in, f) != first]
+  assert len(second) == 1 and abs(os.path.getsize(os.path.join(kept_in, second[0])) - size) < 40
+  assert not os.path.exists(stale[0]) and not os.path.exists(stale[1])
+  assert os.path.exists(stale[2]) and os.path.exists(first)
+  # A bound below the newest program alone removes all but it.
+  plus_one.clear()
+  monkeypatch.setattr(kept_programs, "MAX_BYTES", 1)
+  assert plus_one(jnp.ones(5)).tolist() == [2.0] * 5
+  (left,) = os.listdir(kept_in)
+  assert left.startswith("plus_one-") and os.path.join(kept_in, left) != first
+
+
 def test_kept_programs_follow_the_compile_cache(monkeypatch, tmp_path):
   from flexdraft_jax import compile_cache
   monkeypatch.setattr(compile_cache, "folder", lambda: str(tmp_path / "xla" / "v"))

@@ -22,6 +22,9 @@ off`, `$FLEXDRAFT_COMPILE_CACHE=off`); on its own, `$FLEXDRAFT_KEPT_PROGRAMS=off
 (what the test suite sets: its tests patch functions inside the programs).
 Kept for the XLA attention on one device only (Pallas kernels and sharded
 batches trace as before); a file that does not read back is exported again.
+The folder is bounded (`MAX_BYTES`): past it, the programs read or written
+longest ago are removed (so those of an older package source, never read
+again, age out).
 """
 
 from __future__ import annotations
@@ -43,6 +46,10 @@ log = logging.getLogger(__name__)
 ENV = "FLEXDRAFT_KEPT_PROGRAMS"
 SUBFOLDER = "exported"
 SUFFIX = ".jaxexport"
+# The exported/ folder's size bound: beyond it the least recently used
+# programs are removed (a SmolLM2-135M decode program is 150-250 kB; a command
+# keeps two per batch shape and mode variant it decodes).
+MAX_BYTES = 256 << 20
 
 _lock = threading.Lock()
 _KEPT = []  # every KeptProgram, for `clear`
@@ -143,6 +150,7 @@ class KeptProgram:
       try:
         with open(path, "rb") as f:
           exported = export.deserialize(bytearray(f.read()))
+        _touch(path)  # recently used: the last to be evicted
       except Exception as e:  # damaged or from an older format: export it again
         log.warning("flexdraft_jax: %s does not read back (%s); tracing it again",
                     path, str(e).splitlines()[0] if str(e) else type(e).__name__)
@@ -154,7 +162,8 @@ class KeptProgram:
       except ImportError as e:  # jax.export's serializer needs `flatbuffers`
         log.warning("flexdraft_jax: traced programs are not kept (%s)", e)
         return functools.partial(self.jitted, **dict(static))
-      _write(path, data)
+      if _write(path, data):
+        _evict(root, keep=path)
     return jax.jit(exported.call, donate_argnums=self.donate_argnums)
 
   def clear(self):
@@ -182,9 +191,9 @@ def _custom_calls():
           for t in (cpu_matmul._TARGET, cpu_matmul._TARGET_BF16)]
 
 
-def _write(path: str, data) -> None:
+def _write(path: str, data) -> bool:
   """Atomically (a reader sees the whole file or none); a folder that cannot
-  be written leaves the program unkept."""
+  be written leaves the program unkept (False)."""
   tmp = None
   try:
     os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -193,10 +202,48 @@ def _write(path: str, data) -> None:
       f.write(data)
     os.chmod(tmp, 0o644)  # as JAX's own cache files
     os.replace(tmp, path)
+    return True
   except OSError as e:
     log.warning("flexdraft_jax: cannot keep the traced program %s (%s)", path, e)
     if tmp is not None and os.path.exists(tmp):
       os.unlink(tmp)
+    return False
+
+
+def _touch(path: str) -> None:
+  """Marks a program used now (its modification time: access times are often
+  not kept)."""
+  try:
+    os.utime(path)
+  except OSError:
+    pass  # a read-only folder: its programs are still read, never evicted
+
+
+def _evict(root: str, keep: str) -> None:
+  """Removes the least recently used programs in `root` (`_touch`) until the
+  folder is within MAX_BYTES; never `keep`, the program just written."""
+  files = []
+  try:
+    with os.scandir(root) as entries:
+      for e in entries:
+        if e.name.endswith(SUFFIX) and e.is_file(follow_symlinks=False):
+          st = e.stat(follow_symlinks=False)
+          files.append((st.st_mtime, st.st_size, e.path))
+  except OSError:
+    return
+  total = sum(size for _, size, _ in files)
+  for _, size, path in sorted(files):
+    if total <= MAX_BYTES:
+      return
+    if path == keep:
+      continue
+    try:
+      os.unlink(path)
+      total -= size
+    except FileNotFoundError:  # another process evicted it first
+      total -= size
+    except OSError:
+      pass
 
 
 def clear() -> None:
