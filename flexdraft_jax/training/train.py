@@ -47,7 +47,7 @@ from flexdraft_jax.drafter.model import (Drafter, DrafterConfig, init_draft_para
 from flexdraft_jax.model.config import FlexDraftError
 from flexdraft_jax.model import loading, pytree
 from flexdraft_jax.training import (checkpoints, data, kv_cache, loss as loss_lib, regen_store,
-                                    sharding)
+                                    run_guard, sharding)
 from flexdraft_jax.training.config import check_train_config
 from flexdraft_jax.training.drafter_init import draft_vocab, warm_start
 from flexdraft_jax.training.metrics_log import MetricsLog
@@ -354,8 +354,8 @@ def _train(config, workdir: str, t_begin: float, run: dict) -> TrainResult:
       meta["mask_rows"] += rows_per_step
       done, row = step + 1, {}
       # Out of time: this step is the run's last, as if it were num_steps.
-      last = done == end or (deadline is not None and _past(deadline, done, tc.log_every))
-      diverged = _diverged(m)
+      last = done == end or (deadline is not None and run_guard.past(deadline, done, tc.log_every))
+      diverged = run_guard.diverged(m)
       eval_now = evaluating and (done % tc.eval_every == 0 or last) and not diverged
       if done % tc.log_every == 0 or last or eval_now or diverged:
         # An eval step off the log cadence logs its training row too.
@@ -366,7 +366,7 @@ def _train(config, workdir: str, t_begin: float, run: dict) -> TrainResult:
         bar.set_postfix(loss=f"{row['loss']:.3f}", tau=f"{row['tau']:.2f}")
       if diverged:
         log.write(done, row)
-        raise _divergence(diverged, done, mngr, workdir, tc)
+        raise run_guard.divergence(diverged, done, mngr, workdir, tc)
       run["step"] = done
       if eval_now:
         ev = _evaluate(eval_step, scored_params(state), target_params, eval_packer, mesh, tc)
@@ -383,7 +383,7 @@ def _train(config, workdir: str, t_begin: float, run: dict) -> TrainResult:
           ev.update(blind_eval_tau=blind["eval_tau"], blind_eval_loss=blind["eval_loss"])
         row.update(ev)
         if _score(ev) > meta["best_tau"]:
-          _check_finite(state, done, mngr, workdir, tc)
+          run_guard.check_finite(state, done, mngr, workdir, tc)
           meta["best_tau"], meta["best_step"] = _score(ev), done
           with run_control.critical():  # not cut between its two renames
             _export(os.path.join(workdir, "best_drafter"), config, state, target,
@@ -402,19 +402,19 @@ def _train(config, workdir: str, t_begin: float, run: dict) -> TrainResult:
           state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(dict(meta))))
       periodic = done % tc.ckpt_every == 0 or last
       if periodic:
-        _check_finite(state, done, mngr, workdir, tc)
+        run_guard.check_finite(state, done, mngr, workdir, tc)
         with run_control.critical():  # a stop then waits for this save to finish
           save()
       # A signal held since the step began (or during its save), or (several
       # processes) orbax's preemption point: every process stops after the
       # same step, saved and in the log.
-      stop = _stop_requested(mngr, done, tc.log_every)
+      stop = run_guard.stop_requested(mngr, done, tc.log_every)
       if stop and not periodic:
         if not row:
           row = _train_row(m, meta, bs, (done - s_last) / max(time.perf_counter() - t_last,
                                                                1e-9))
           log.write(done, dict(row, mask_rows=meta["mask_rows"]))
-        _check_finite(state, done, mngr, workdir, tc)
+        run_guard.check_finite(state, done, mngr, workdir, tc)
         save()
       bar.update(1)
       if stop:
@@ -441,80 +441,12 @@ def _train(config, workdir: str, t_begin: float, run: dict) -> TrainResult:
   return TrainResult(summary, final.params)
 
 
-def _diverged(m) -> str:
-  """What is not finite in a step's metrics ("" when all is well): a loss or
-  gradient norm that is NaN or infinite means the update just made has
-  spoilt the weights."""
-  loss, gnorm = float(m["loss"]), float(m["grad_norm"])
-  if np.isfinite(loss) and np.isfinite(gnorm):
-    return ""
-  return f"loss {loss:g}, grad norm {gnorm:g}"
-
-
-@jax.jit
-def _all_finite(tree) -> jax.Array:
-  return jnp.all(jnp.asarray([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
-
-
-def _check_finite(state: TrainState, step: int, mngr, workdir: str, tc) -> None:
-  """Before weights are kept (a checkpoint, best_drafter): the trained
-  weights and their average must be finite, else the run stops in one line."""
-  if not bool(_all_finite((state.params, state.ema))):
-    raise _divergence("the weights are no longer finite", step, mngr, workdir, tc)
-
-
-def _divergence(what: str, step: int, mngr, workdir: str, tc) -> FlexDraftError:
-  """The one line of a run whose training went non-finite. Nothing
-  non-finite is ever saved, so the latest checkpoint is the last finite one."""
-  with contextlib.suppress(Exception):
-    mngr.wait_until_finished()
-  latest = mngr.latest_step()
-  ckpt = os.path.join(os.path.abspath(workdir), "ckpt")
-  kept = (f"checkpoint {latest} in {ckpt} is the last finite one (a rerun resumes there)"
-          if latest else "there is no checkpoint yet (a rerun starts over)")
-  return FlexDraftError(f"training diverged at step {step} ({what}); nothing non-finite "
-                        f"was saved and {kept}: lower --config.train.lr (now {tc.lr:g}) "
-                        "and rerun")
-
-
-def _stop_requested(mngr, step: int, every: int):
-  """The signal to stop on after `step` (which is then saved), or None: one
-  held back during the step, or orbax's preemption sync point (JAX's
-  preemption service, several processes: a SIGTERM on any one stops them
-  all after the same step). Several processes agree on a signal one of them
-  holds every `every` steps, as `_past` does on the clock."""
-  import signal
-  if mngr.reached_preemption(step):
-    return signal.SIGTERM
-  if jax.process_count() == 1:
-    return run_control.pending()
-  if step % every:
-    return None
-  from jax.experimental import multihost_utils
-  held = np.int32(run_control.pending() or 0)
-  agreed = int(multihost_utils.process_allgather(held).max())
-  return agreed or None
-
-
 def _score(ev: dict) -> float:
   """What picks the best drafter: held-out τ; for a drafter trained blind
   too, the mean of its τ with the bonus read and blind."""
   if "blind_eval_tau" in ev:
     return 0.5 * (ev["eval_tau"] + ev["blind_eval_tau"])
   return ev["eval_tau"]
-
-
-def _past(deadline: float, step: int, every: int) -> bool:
-  """Whether the clock has passed `deadline`. Several processes must stop at the
-  same step (the steps are collectives): they agree on it every `every` steps
-  only, so the step loop does not wait on a cross-host gather each step."""
-  if jax.process_count() == 1:
-    return time.perf_counter() >= deadline
-  if step % every:
-    return False
-  from jax.experimental import multihost_utils
-  past = np.int32(time.perf_counter() >= deadline)
-  return bool(multihost_utils.process_allgather(past).max())
 
 
 def _other_writes(config, workdir) -> str:
