@@ -71,11 +71,11 @@ def check_number(name: str, value, what: str, ok=lambda v: True) -> None:
     raise FlexDraftError(f"{name} must be {what}, got {shown(value)}")
 
 
-def check_bool(name: str, value) -> None:
+def check_bool(name: str, value, allowed: str = "True or False") -> None:
   """`value` is True or False (a NumPy bool too), never a string or a number
-  that Python would read as one."""
+  that Python would read as one; `allowed` says what the caller takes."""
   if not isinstance(value, (bool, np.bool_)):
-    raise FlexDraftError(f"{name} must be True or False, got {describe(value)}")
+    raise FlexDraftError(f"{name} must be {allowed}, got {describe(value)}")
 
 
 def check_choice(name: str, value, choices) -> None:

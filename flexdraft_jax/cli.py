@@ -77,7 +77,8 @@ FLAGS = (  # (absl DEFINE_*, name as generate() spells it, default, help[, enum 
     ("enum", "strategy", "cumulative_product", "selective verification's confidence",
      STRATEGIES),
     ("string", "flex_threshold", "auto", "B*: an integer or 'auto'"),
-    ("bool", "draft_sampling", False, "T>0: sample drafts and verify by rejection sampling"),
+    ("bool", "draft_sampling", None, "T>0: sample drafts and verify by rejection sampling "
+     "(default: on, off with --tree-budget)"),
     ("integer", "block_size", None, "decode with a smaller block than trained"),
     ("integer", "verify_len", None,
      "verify at most K-1 drafts per step (K <= block size; flex picks K itself up to this)"),

@@ -37,7 +37,7 @@ def target():
     (lambda: fd.SamplingParams(top_k=2.0), "top_k must be an integer >= 1, got float 2.0"),
     (lambda: fd.SamplingParams(top_p=True), "top_p must be in (0, 1], got bool True"),
     (lambda: fd.SamplingParams(draft_sampling=1),
-     "draft_sampling must be True or False, got int 1"),
+     "draft_sampling must be True, False or None (auto), got int 1"),
     (lambda: fd.SpecOptions(block_size="4"), "block_size must be an integer >= 2, got str '4'"),
     (lambda: fd.SpecOptions(threshold=None), "threshold θ must be in [0, 1], got NoneType None"),
     (lambda: fd.SpecOptions(threshold=1.5), "threshold θ must be in [0, 1], got 1.5"),

@@ -200,7 +200,7 @@ CASES = [
         "chat must be True or False, got str 'False'"),
     api("`sampling=SamplingParams(draft_sampling=\"False\")` (taken as true)",
         dict(sampling=lambda t: fd.SamplingParams(draft_sampling="False")),
-        "draft_sampling must be True or False, got str 'False'"),
+        "draft_sampling must be True, False or None (auto), got str 'False'"),
     api("`speculation=SpecOptions(threshold=\"0.5\")` (said `got 0.5`)",
         dict(speculation=lambda t: fd.SpecOptions(threshold="0.5")),
         "threshold θ must be in [0, 1], got str '0.5'"),

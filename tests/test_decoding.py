@@ -589,8 +589,9 @@ def test_flex_starts_where_the_last_request_with_that_drafter_and_temperature_en
       block_size=8, bonus_input=False, drafts_blind=True, rescores=False))
   opts = fd.SpecOptions()
   _, buckets = chunk.verify_buckets(8, opts)
-  make = lambda t: flex.FlexPolicy(target, drafter, opts, buckets, time_step=None,
-                                   temperature=t)
+  make = lambda t, sampled=False: flex.FlexPolicy(target, drafter, opts, buckets,
+                                                  time_step=None, temperature=t,
+                                                  sampled_drafts=sampled)
   assert make(0.0).scale0 == 1.0  # nothing seen in this process: confidence as it is
   first = make(1.0)  # ... at T = 1 an argmax draft is accepted with p_T(draft)
   assert first.scale0 == pytest.approx(1 - flex.TEMPERATURE_SCALE)
@@ -601,6 +602,9 @@ def test_flex_starts_where_the_last_request_with_that_drafter_and_temperature_en
   assert fitted < 0.8
   assert make(1.0).scale0 == pytest.approx(fitted)  # the next request at T = 1
   assert make(0.7).scale0 == pytest.approx(1 - flex.TEMPERATURE_SCALE * 0.49)  # its own
+  # Sampled drafts are accepted where q and p_T overlap: a scale of their own.
+  assert make(1.0, sampled=True).scale0 == pytest.approx(1 - flex.TEMPERATURE_SCALE_SAMPLED)
+  assert flex.TEMPERATURE_SCALE_SAMPLED < flex.TEMPERATURE_SCALE
 
 
 def test_tau_prior_is_the_mean_confidence_over_choices():

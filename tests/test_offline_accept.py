@@ -152,7 +152,7 @@ def test_decoding_samples_drafts_at_the_fitted_slot_temperatures():
     np.testing.assert_allclose(q, _softmax(lg / (T * np.asarray(r))[:, None]), atol=1e-5)
   greedy = lambda dr, sp: np.asarray(state.draft_tokens(
       target.params, target.config, dr, hm, bonus, sp, key).ids_BxD)
-  for sp in (SamplingParams(), SamplingParams(temperature=1.0)):
+  for sp in (SamplingParams(), SamplingParams(temperature=1.0, draft_sampling=False)):
     np.testing.assert_array_equal(greedy(fitted, sp), greedy(d, sp))
   with pytest.raises(FlexDraftError, match="draft_temperature entry"):
     dataclasses.replace(d.config, draft_temperature=[[1.0, [1.0, 1.0]]]).validate(
@@ -188,5 +188,5 @@ def test_command_fits_and_writes_a_drafter_that_decodes_greedy_as_before(tmp_pat
                                     mode="sequential", stop=[], **kw)
   a, b = run(drafter), run(fitted)
   assert a.token_ids == b.token_ids and a.stats["steps"] == b.stats["steps"]
-  sp = fd.SamplingParams(temperature=1.0)
+  sp = fd.SamplingParams(temperature=1.0, draft_sampling=False)
   assert run(drafter, sampling=sp).token_ids == run(fitted, sampling=sp).token_ids

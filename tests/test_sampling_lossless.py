@@ -219,3 +219,27 @@ print("pvalue", t._chi2_pvalue(r.token_ids, t._exact_distribution(target)))
 
 def test_a_wrong_tree_acceptance_rule_fails():
   assert _pvalue_in_subprocess(_LOSSY_TREE_DRIVER) < 1e-6
+
+
+def test_drafts_are_sampled_at_t_above_0_unless_asked_otherwise_or_trees(setup):
+  # draft_sampling None (auto): sampled drafts at T > 0, argmax drafts with
+  # draft trees; the call's stats say which ran.
+  target, drafter, _ = setup
+  tree_drafter = bigram_drafter(target, block_size=4, scale=3.0)
+
+  def run(ds, d=drafter, temperature=TEMP, **spec):
+    r = fd.generate(target, [PROMPT] * 64, max_new_tokens=6, drafter=d, mode="sequential",
+                    stop=[], seed=11, speculation=fd.SpecOptions(**spec),
+                    sampling=fd.SamplingParams(temperature=temperature, draft_sampling=ds))
+    return r.token_ids, r.stats["draft_sampling"]
+
+  assert fd.SamplingParams().draft_sampling is None
+  auto, on, off = run(None), run(True), run(False)
+  assert auto == on and auto[1] is True and off[1] is False
+  assert auto[0] != off[0]  # other drafts, other uniforms read: other samples
+  tree_auto, tree_off = run(None, tree_drafter, tree_budget=4), run(False, tree_drafter,
+                                                                   tree_budget=4)
+  assert tree_auto == tree_off and tree_auto[1] is False
+  with pytest.raises(fd.FlexDraftError, match="turn sampling.draft_sampling off"):
+    run(True, tree_drafter, tree_budget=4)
+  assert run(None, temperature=0.0)[1] is None  # greedy: nothing is sampled

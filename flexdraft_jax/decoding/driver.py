@@ -38,7 +38,8 @@ class Driver:
     self.policy = (flex.FlexPolicy(target, drafter, opts, self.buckets, self._time,
                                    parallel_drafter=parallel_drafter,
                                    tree_mass=self._tree_mass,
-                                   temperature=static["sp"].temperature)
+                                   temperature=static["sp"].temperature,
+                                   sampled_drafts=static["sp"].sampled_drafts)
                    if mode == Mode.FLEX else None)
     self.group_counts, self.modes = [], []
     self.stale_drafts = False

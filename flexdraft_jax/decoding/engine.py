@@ -169,6 +169,7 @@ def _start(target, prompts, *, unknown, drafter, parallel_drafter, mode, max_new
   else:
     parallel_drafter = None
   tree_top = inputs.tree_top(drafter, mode, speculation, sampling, target.config.vocab_size)
+  sampling = sampling.resolved(trees=bool(tree_top))
   prompts = check_prompts(prompts)
   n_ids = sum(not isinstance(p, str) for p in prompts)
   if target.tokenizer is None and n_ids < len(prompts):
@@ -208,6 +209,10 @@ def _start(target, prompts, *, unknown, drafter, parallel_drafter, mode, max_new
       results[start:start + len(chunk)] = toks
       stats_list.append(st)
     stats = call_stats.merge_stats(stats_list, mode)
+    # whether drafts were sampled (`draft_sampling` decided: auto is on at T > 0
+    # without draft trees); None where nothing was drafted
+    stats["draft_sampling"] = (sampling.sampled_drafts
+                               if drafter is not None and not sampling.greedy else None)
     out = GenerateResult(results, _texts(target.tokenizer, results), stats)
     call_stats.whole_call_times(stats, started, timing.now())
     return out

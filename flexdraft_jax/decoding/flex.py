@@ -50,10 +50,15 @@ SCALE_WEIGHT = 4
 # target's p_T(draft): the shipped SmolLM2 drafter's slot 1 accepts 0.78 at
 # T = 0, 0.61 at T = 0.7 and 0.35 at T = 1 on GSM8K (on the target's answers
 # sampled at T; MT-Bench 0.48, 0.41, 0.25; docs/results/acceptance_match.md):
-# ratios 0.77-0.84 and 0.45-0.51. The run's own counts then refit it.
+# ratios 0.77-0.84 and 0.45-0.51. Sampled drafts (`draft_sampling`) are
+# accepted with Σ min(p_T, q): 0.65 and 0.45 on GSM8K (MT-Bench 0.44, 0.35),
+# ratios 0.84-0.92 and 0.57-0.72 (TEMPERATURE_SCALE_SAMPLED). The run's own
+# counts then refit it.
 TEMPERATURE_SCALE = 0.55
-# (target, drafter config, temperature) -> the last fitted prior_scale in this
-# process: where the next request with them starts (its first guess).
+TEMPERATURE_SCALE_SAMPLED = 0.35
+# (target, drafter config, temperature, sampled drafts) -> the last fitted
+# prior_scale in this process: where the next request with them starts (its
+# first guess).
 _SCALES: dict = {}
 # A speculative (mode, k) starts only if its predicted tokens/s is at least this
 # times AR's: step timings on a shared CPU vary by ~10 %, and AR is the safe side.
@@ -109,14 +114,14 @@ class FlexPolicy:
   """
 
   def __init__(self, target, drafter, opts, buckets, time_step, parallel_drafter=None,
-               tree_mass=None, temperature: float = 0.0):
+               tree_mass=None, temperature: float = 0.0, sampled_drafts: bool = False):
     self.opts = opts
     # Where confidence's scale starts (prior_scale): what the last request with
     # this target, drafter and temperature ended with in this process.
     self._scale_key = (getattr(target, "fingerprint", None), repr(drafter.config),
-                       round(float(temperature), 3))
-    self.scale0 = _SCALES.get(
-        self._scale_key, 1.0 - TEMPERATURE_SCALE * min(float(temperature), 1.0) ** 2)
+                       round(float(temperature), 3), bool(sampled_drafts))
+    c = TEMPERATURE_SCALE_SAMPLED if sampled_drafts else TEMPERATURE_SCALE
+    self.scale0 = _SCALES.get(self._scale_key, 1.0 - c * min(float(temperature), 1.0) ** 2)
     # Draft trees (`tree_budget`): sequential steps verifying a tree of N nodes
     # compete as (TREE, N); `tree_mass(state, N)` gives their nodes' draft
     # probabilities (the prior of their τ, `tau_by_tree`).
