@@ -38,6 +38,8 @@ flags.DEFINE_list("flex_trees", [], "draft-tree budgets N: a flex setting with "
 flags.DEFINE_integer("max_new_tokens", 64, "new tokens per row (stops off)", lower_bound=1)
 flags.DEFINE_float("temperature", 0.0, "sampling temperature (T > 0: each round samples "
                    "with its own seed, and outputs are not compared with AR's)", lower_bound=0.0)
+flags.DEFINE_enum("draft_sampling", "auto", ["auto", "on", "off"], "T > 0: sampled or "
+                  "argmax drafts (auto: sampled, argmax with draft trees)")
 flags.DEFINE_enum("dataset", "gsm8k", ["gsm8k", "mt_bench", "humaneval", "mbpp", "math500"],
                   "the prompts (multi-turn sets: their first turns)")
 flags.DEFINE_integer("repeats", 3, "timed rounds per batch size", lower_bound=1)
@@ -74,7 +76,9 @@ def main(argv):
   result = modes_bench.run(target, drafter, prompts, batch_sizes=sizes, settings=settings,
                            max_new_tokens=FLAGS.max_new_tokens, repeats=FLAGS.repeats,
                            batches=FLAGS.batches, attn_impl=FLAGS.attn_impl,
-                           temperature=FLAGS.temperature)
+                           temperature=FLAGS.temperature,
+                           draft_sampling={"auto": None, "on": True,
+                                           "off": False}[FLAGS.draft_sampling])
   result.update(dataset=FLAGS.dataset, target=FLAGS.target, drafter=FLAGS.drafter or "random", note=note)
   md = modes_bench.markdown(result)
   print(md, flush=True)

@@ -12,7 +12,7 @@ import sys
 import flexdraft_jax as fd
 from flexdraft_jax.evaluation import modes_bench
 from tests import data_fixture
-from tests.decoding_util import tiny_target
+from tests.decoding_util import random_drafter, tiny_target
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -133,3 +133,23 @@ def test_sampled_runs_are_timed_with_a_seed_per_round_and_not_compared():
   greedy = modes_bench.run(target, None, ids, batch_sizes=[2], settings=settings,
                            max_new_tokens=6, repeats=1, log=lambda *a: None)
   assert greedy["results"][0]["lossless"] is True and "| yes |" in modes_bench.markdown(greedy)
+
+
+def test_sampled_runs_draft_as_asked(monkeypatch):
+  # draft_sampling reaches every call (None: auto) and the tables say argmax drafts.
+  from flexdraft_jax import api
+  target = tiny_target()
+  seen, generate = [], api.generate
+  monkeypatch.setattr(api, "generate", lambda *a, **k: seen.append(
+      (k.get("mode"), k["sampling"].draft_sampling)) or generate(*a, **k))
+  settings = [s for s in modes_bench.default_settings(modes_bench.parse_fixed(["sequential:2"]))
+              if s.name in ("ar", "sequential:2")]
+  drafter = random_drafter(target, block_size=4, noise=0.5)
+  for asked, label in ((False, True), (None, False)):
+    seen.clear()
+    result = modes_bench.run(target, drafter, [[5, 6, 7], [9, 10]], batch_sizes=[2],
+                             settings=settings, max_new_tokens=6, repeats=1,
+                             temperature=1.0, draft_sampling=asked, log=lambda *a: None)
+    assert seen and {ds for _, ds in seen} == {asked}
+    assert result["draft_sampling"] is asked
+    assert ("argmax drafts" in modes_bench.markdown(result)) == label

@@ -125,15 +125,17 @@ def gsm8k_prompts(target, data_dir: str, n: int, dataset: str = "gsm8k") -> list
 def run(target, drafter, prompts: Sequence, *, batch_sizes: Sequence[int],
         settings: Sequence[Setting], max_new_tokens: int = 64, repeats: int = 3,
         batches: int = 1, attn_impl: str = "xla", lossless_tol: float = 1e-5,
-        temperature: float = 0.0, cost_cache=None, deadline: Optional[float] = None,
-        on_batch: Optional[Callable] = None, log: Callable = print) -> dict:
+        temperature: float = 0.0, draft_sampling: Optional[bool] = None, cost_cache=None,
+        deadline: Optional[float] = None, on_batch: Optional[Callable] = None,
+        log: Callable = print) -> dict:
   """Times `settings` at each batch size (see the module doc); returns a dict for
   JSON (`markdown` renders it). `prompts` (id lists) holds at least
   max(batch_sizes)·batches rows. `deadline` (time.monotonic()) shares the time
   left evenly among the batch sizes still to run: a batch size stops its rounds
   when the next would end past its share (after one timed round), and is
   skipped when too little is left for it. `on_batch(result)` is called after
-  each batch size (to write partial results)."""
+  each batch size (to write partial results). `draft_sampling`: SamplingParams'
+  (None: auto, sampled drafts at T > 0 but with draft trees)."""
   names = [s.name for s in settings]
   if not names or names[0] != "ar" or len(set(names)) != len(names):
     raise FlexDraftError(f"settings must start with 'ar' and have distinct names: {names}")
@@ -144,7 +146,7 @@ def run(target, drafter, prompts: Sequence, *, batch_sizes: Sequence[int],
   block = drafter.config.block_size if drafter is not None else 16
   result = {"max_new_tokens": max_new_tokens, "repeats": repeats, "batches": batches,
             "attn_impl": attn_impl, "lossless_tol": lossless_tol, "temperature": temperature,
-            "settings": [dataclasses.asdict(s) for s in settings], "results": []}
+            "draft_sampling": draft_sampling, "settings": [dataclasses.asdict(s) for s in settings], "results": []}
   last_wall = 0.0
   for i, b in enumerate(batch_sizes):
     share = None
@@ -163,7 +165,7 @@ def run(target, drafter, prompts: Sequence, *, batch_sizes: Sequence[int],
     row = bench_batch(target, drafter, ids, b, settings, max_new_tokens=max_new_tokens,
                       repeats=repeats, max_len=max_len, attn_impl=attn_impl,
                       lossless_tol=lossless_tol, temperature=temperature,
-                      cost_cache=cost_cache,
+                      draft_sampling=draft_sampling, cost_cache=cost_cache,
                       deadline=None if share is None else start + share, log=log)
     last_wall = row["wall_seconds"] = time.monotonic() - start
     result["results"].append(row)
@@ -174,7 +176,8 @@ def run(target, drafter, prompts: Sequence, *, batch_sizes: Sequence[int],
 
 def bench_batch(target, drafter, ids: list, batch_size: int, settings: Sequence[Setting],
                 *, max_new_tokens: int, repeats: int, max_len: int, attn_impl: str,
-                lossless_tol: float, temperature: float = 0.0, cost_cache=None,
+                lossless_tol: float, temperature: float = 0.0,
+                draft_sampling: Optional[bool] = None, cost_cache=None,
                 deadline: Optional[float] = None, log: Callable = print) -> dict:
   """One batch size: the rotation, the lossless checks, flex's view (module doc).
   At `temperature` > 0 every call samples with its own seed (the round), and
@@ -193,7 +196,8 @@ def bench_batch(target, drafter, ids: list, batch_size: int, settings: Sequence[
     t0 = time.monotonic()
     for s in settings:
       res = api.generate(target, ids, max_new_tokens=max_new_tokens, stop=[],
-                         sampling=SamplingParams(temperature=temperature), seed=r,
+                         sampling=SamplingParams(temperature=temperature,
+                                                 draft_sampling=draft_sampling), seed=r,
                          runtime=RuntimeOptions(batch_size=batch_size, max_len=max_len,
                                                 attn_impl=attn_impl),
                          **s.options(drafter, cost_cache))
@@ -333,7 +337,8 @@ def markdown(result: dict) -> str:
   temp = result.get("temperature", 0.0)
   out = [f"Decode tokens/s (median of up to {result['repeats']} timed rounds, "
          f"{result['max_new_tokens']} new tokens per row, attention {result['attn_impl']}"
-         + (f", sampled at T = {temp:g}, a seed per round" if temp else "") + "); "
+         + (f", sampled at T = {temp:g}, a seed per round" if temp else "")
+         + (", argmax drafts" if temp and result.get("draft_sampling") is False else "") + "); "
          "× AR decode-only, end-to-end (prefill included) in parentheses.", ""]
   head = (["batch", "AR tok/s"] + [f"{n} tok/s (× AR)" for n in others]
           + (["flex tok/s", "flex × AR", "flex / best fixed"] if flex else []) + ["lossless"])
