@@ -243,3 +243,28 @@ def test_drafts_are_sampled_at_t_above_0_unless_asked_otherwise_or_trees(setup):
   with pytest.raises(fd.FlexDraftError, match="turn sampling.draft_sampling off"):
     run(True, tree_drafter, tree_budget=4)
   assert run(None, temperature=0.0)[1] is None  # greedy: nothing is sampled
+
+
+@pytest.mark.parametrize("draft_sampling", [None, False])
+def test_flex_switching_modes_every_step_samples_the_target_distribution(
+    setup, monkeypatch, draft_sampling):
+  # Flex hands the drafts in flight (sampled ones with their q) from one mode
+  # to the next: forced here to switch every step (sequential, parallel, AR).
+  from flexdraft_jax.decoding import flex
+  from flexdraft_jax.decoding.options import Mode
+  target, drafter, exact = setup
+  cycle, chosen = [Mode.SEQUENTIAL, Mode.PARALLEL, Mode.AR], []
+
+  def choose(self, state, live, k, B, S):
+    chosen.append(cycle[len(chosen) % len(cycle)])
+    return chosen[-1], (0 if chosen[-1] == Mode.AR else k)
+
+  monkeypatch.setattr(flex.FlexPolicy, "choose", choose)
+  r = fd.generate(target, [PROMPT] * N, max_new_tokens=4, drafter=drafter, mode="flex",
+                  stop=[], seed=11, runtime=fd.RuntimeOptions(steps_per_call=1),
+                  sampling=fd.SamplingParams(temperature=TEMP, draft_sampling=draft_sampling),
+                  speculation=fd.SpecOptions(flex_threshold=0))
+  assert r.stats["draft_sampling"] is (draft_sampling is None)
+  assert {m for m, _ in r.stats["mode_steps"]} == {"sequential", "parallel", "ar"}
+  assert _kept(r) > 1.05, _kept(r)
+  assert _chi2_pvalue(r.token_ids, exact) > 1e-3
