@@ -268,3 +268,11 @@ def test_flex_switching_modes_every_step_samples_the_target_distribution(
   assert {m for m, _ in r.stats["mode_steps"]} == {"sequential", "parallel", "ar"}
   assert _kept(r) > 1.05, _kept(r)
   assert _chi2_pvalue(r.token_ids, exact) > 1e-3
+
+
+def test_auto_draft_sampling_resolves_to_the_params_greedy_decoding_always_had():
+  from flexdraft_jax.decoding.sampling import SamplingParams
+  assert SamplingParams().resolved(trees=False) == SamplingParams(draft_sampling=False)
+  assert SamplingParams(1.0).resolved(trees=False).draft_sampling is True
+  assert SamplingParams(1.0).resolved(trees=True).draft_sampling is False
+  assert SamplingParams(1.0, draft_sampling=False).resolved(trees=False).draft_sampling is False

@@ -45,10 +45,12 @@ class SamplingParams:
     return self.draft_sampling is not False and not self.greedy
 
   def resolved(self, trees: bool) -> "SamplingParams":
-    """`draft_sampling` decided: None (auto) is on, or off with draft trees."""
+    """`draft_sampling` decided: None (auto) is on at T > 0 without draft
+    trees, else off (at T = 0 the same params as an explicit False: the
+    decode programs take them as a static argument, one program each)."""
     if self.draft_sampling is not None:
       return self
-    return dataclasses.replace(self, draft_sampling=not trees)
+    return dataclasses.replace(self, draft_sampling=not trees and not self.greedy)
 
 
 def processed_logits(logits_xV, sp: SamplingParams):
