@@ -25,6 +25,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <memory>
 #include <thread>
@@ -39,19 +40,69 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-typedef float v16 __attribute__((vector_size(64)));
-
+// The accumulator layout (what fixes the summation order) is 16 lanes on every
+// ISA; the hardware vectors that hold it, and so how many weight and input
+// rows one block keeps in registers, follow the ISA the file is compiled for.
+// An accumulator of kLanes floats is kParts vectors of kWidth floats; a block
+// of RO weight rows x MR input rows keeps RO * MR * kParts of them, plus RO
+// weight vectors and one input vector, within the register file:
+//   AVX-512: 32 zmm, kWidth 16: 2 x 8 rows -> 16 accumulators (+2 +1);
+//   AVX2:    16 ymm, kWidth 8:  2 x 3 rows -> 12 accumulators (+2 +1), where
+//            2 x 8 (32 ymm) spilled and ran compute-bound at ~7 GFLOP/s a core;
+//   other (SSE, NEON, ...): kWidth 4, 1 x 3 rows -> 12 of 16 (+1 +1).
+// FLEXDRAFT_WEIGHT_ROWS / FLEXDRAFT_INPUT_ROWS override the block (measuring).
 constexpr int kLanes = 16;
-constexpr int kMaxRows = 8;      // input rows per pass over the weights
-constexpr int kPrefetch = 1024;   // floats ahead (4 KB)
+#if defined(__AVX512F__)
+#define FD_ISA "avx512"
+constexpr int kWidth = 16;
+constexpr int kDefaultWeightRows = 2, kDefaultInputRows = 8;
+#elif defined(__AVX2__) && defined(__FMA__)
+#define FD_ISA "avx2"
+constexpr int kWidth = 8;
+constexpr int kDefaultWeightRows = 2, kDefaultInputRows = 3;
+#else
+#define FD_ISA "generic"
+constexpr int kWidth = 4;
+constexpr int kDefaultWeightRows = 1, kDefaultInputRows = 3;
+#endif
+#ifdef FLEXDRAFT_WEIGHT_ROWS
+constexpr int kWeightRows = FLEXDRAFT_WEIGHT_ROWS;
+#else
+constexpr int kWeightRows = kDefaultWeightRows;
+#endif
+#ifdef FLEXDRAFT_INPUT_ROWS
+constexpr int kMaxRows = FLEXDRAFT_INPUT_ROWS;
+#else
+constexpr int kMaxRows = kDefaultInputRows;
+#endif
+static_assert(kWeightRows >= 1 && kWeightRows <= 4 && kMaxRows >= 1 && kMaxRows <= 8,
+              "blocks of 1-4 weight rows and 1-8 input rows");
+constexpr int kParts = kLanes / kWidth;
+#ifdef FLEXDRAFT_PREFETCH
+constexpr int kPrefetch = FLEXDRAFT_PREFETCH;
+#else
+constexpr int kPrefetch = 1024;  // floats ahead (4 KB)
+#endif
 constexpr int kMinChunk = 16;    // output rows a claim, at least
 
-inline v16 load(const float* p) {
+typedef float v16 __attribute__((vector_size(64)));
+typedef float vw __attribute__((vector_size(kWidth * 4)));
+
+inline vw loadw(const float* p) {
+  vw v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline v16 load16(const float* p) {
   v16 v;
   std::memcpy(&v, p, sizeof(v));
   return v;
 }
 
+// The sum of a 16-lane accumulator in the one fixed tree of every build:
+// lanes l and l + 8 added, then those at distance 4, 2, 1.
+#if defined(__AVX512F__)
 // One reduction step: c and d each hold 16 / S groups of S partial sums; the
 // result holds each group halved (lane r + lane r + S/2), c's groups then d's.
 template <int S>
@@ -67,8 +118,8 @@ inline v16 halve(v16 c, v16 d) {
   return __builtin_shuffle(c, d, lo) + __builtin_shuffle(c, d, hi);
 }
 
-// The lane sums of 16 vectors, lane j of the result from a[j]: lanes l and
-// l + 8 added, then those at distance 4, 2, 1 (the same tree for every j).
+// The lane sums of 16 vectors, lane j of the result from a[j] (the same tree
+// for every j).
 inline v16 hsum16(const v16* a) {
   v16 b[8], c[4], d[2];
   for (int j = 0; j < 8; ++j) b[j] = halve<16>(a[2 * j], a[2 * j + 1]);
@@ -77,47 +128,82 @@ inline v16 hsum16(const v16* a) {
   return halve<2>(d[0], d[1]);
 }
 
-// y[m, r] = the lane sum of acc[r][m] (one fixed tree, hsum16).
+// y[m, r] = the lane sum of acc[r][m][0] (one hsum16 for the whole block).
 template <int RO, int MR>
-inline void store_sums(const v16 (&acc)[RO][MR], float* __restrict y, int64_t ldy) {
+inline void store_sums(const vw (&acc)[RO][MR][kParts], float* __restrict y, int64_t ldy) {
   static_assert(RO * MR <= kLanes, "one hsum16 sums 16 vectors");
   v16 all[kLanes] = {};
   for (int r = 0; r < RO; ++r)
-    for (int m = 0; m < MR; ++m) all[r * MR + m] = acc[r][m];
+    for (int m = 0; m < MR; ++m) all[r * MR + m] = acc[r][m][0];
   float sums[kLanes];
   const v16 s = hsum16(all);
   std::memcpy(sums, &s, sizeof(s));
   for (int m = 0; m < MR; ++m)
     for (int r = 0; r < RO; ++r) y[m * ldy + r] = sums[r * MR + m];
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+// lanes 0-7 + lanes 8-15 (distance 8), then halves of 128 bits (4), then 2, 1
+inline float lane_sum(const vw (&a)[kParts]) {
+  const __m256 t = (__m256)(a[0] + a[1]);
+  const __m128 u = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+  const __m128 v = _mm_add_ps(u, _mm_movehl_ps(u, u));
+  return _mm_cvtss_f32(_mm_add_ss(v, _mm_shuffle_ps(v, v, 1)));
+}
 
-// RO (1 or 2) weight rows against MR (1..8) input rows. x: MR rows of I
-// floats (stride I); xt: their zero-padded tails (stride kLanes); wt: the
-// weight rows' tails (stride kLanes).
+template <int RO, int MR>
+inline void store_sums(const vw (&acc)[RO][MR][kParts], float* __restrict y, int64_t ldy) {
+  for (int m = 0; m < MR; ++m)
+    for (int r = 0; r < RO; ++r) y[m * ldy + r] = lane_sum(acc[r][m]);
+}
+#else
+inline float lane_sum(const vw (&a)[kParts]) {
+  float l[kLanes];
+  std::memcpy(l, a, sizeof(l));
+  for (int s = kLanes / 2; s >= 1; s /= 2)
+    for (int j = 0; j < s; ++j) l[j] += l[j + s];
+  return l[0];
+}
+
+template <int RO, int MR>
+inline void store_sums(const vw (&acc)[RO][MR][kParts], float* __restrict y, int64_t ldy) {
+  for (int m = 0; m < MR; ++m)
+    for (int r = 0; r < RO; ++r) y[m * ldy + r] = lane_sum(acc[r][m]);
+}
+#endif
+
+// RO weight rows against MR input rows. x: MR rows of I floats (stride I);
+// xt: their zero-padded tails (stride kLanes); wt: the weight rows' tails
+// (stride kLanes). Lane l of an accumulator sums the products at i = l,
+// l + 16, ... in increasing i, whatever the ISA (a part p of kWidth lanes
+// holds lanes p * kWidth ...).
 template <int RO, int MR>
 void block(const float* __restrict x, const float* __restrict xt, int I,
            const float* __restrict w, const float* __restrict wt,
            float* __restrict y, int64_t ldy) {
-  v16 acc[RO][MR];
+  vw acc[RO][MR][kParts];
   for (int r = 0; r < RO; ++r)
-    for (int m = 0; m < MR; ++m) acc[r][m] = v16{};
+    for (int m = 0; m < MR; ++m)
+      for (int p = 0; p < kParts; ++p) acc[r][m][p] = vw{};
   const int body = I - I % kLanes;
   for (int i = 0; i < body; i += kLanes) {
-    v16 wv[RO];
-    for (int r = 0; r < RO; ++r) {
-      __builtin_prefetch(w + (int64_t)r * I + i + kPrefetch);
-      wv[r] = load(w + (int64_t)r * I + i);
-    }
-    for (int m = 0; m < MR; ++m) {
-      const v16 xv = load(x + (int64_t)m * I + i);
-      for (int r = 0; r < RO; ++r) acc[r][m] += xv * wv[r];
+    if (kPrefetch)
+      for (int r = 0; r < RO; ++r) __builtin_prefetch(w + (int64_t)r * I + i + kPrefetch);
+#pragma GCC unroll 4
+    for (int p = 0; p < kParts; ++p) {
+      vw wv[RO];
+      for (int r = 0; r < RO; ++r) wv[r] = loadw(w + (int64_t)r * I + i + p * kWidth);
+      for (int m = 0; m < MR; ++m) {
+        const vw xv = loadw(x + (int64_t)m * I + i + p * kWidth);
+        for (int r = 0; r < RO; ++r) acc[r][m][p] += xv * wv[r];
+      }
     }
   }
   if (body < I) {
-    for (int m = 0; m < MR; ++m) {
-      const v16 xv = load(xt + m * kLanes);
-      for (int r = 0; r < RO; ++r) acc[r][m] += xv * load(wt + r * kLanes);
-    }
+    for (int p = 0; p < kParts; ++p)
+      for (int m = 0; m < MR; ++m) {
+        const vw xv = loadw(xt + m * kLanes + p * kWidth);
+        for (int r = 0; r < RO; ++r) acc[r][m][p] += xv * loadw(wt + r * kLanes + p * kWidth);
+      }
   }
   store_sums<RO, MR>(acc, y, ldy);
 }
@@ -128,25 +214,25 @@ void block(const float* __restrict x, const float* __restrict xt, int I,
 // at i = 32 j + 2 l, 32 j + 2 l + 1 in increasing j — with AVX512-BF16 one
 // vdpbf16ps, twice the multiplies of an fp32 FMA, on half the bytes (else,
 // or with FLEXDRAFT_GENERIC_BF16 defined, the pairs widened to fp32).
-constexpr int kPair = 2 * kLanes;  // bf16 values a vector
+constexpr int kPair = 2 * kLanes;  // bf16 values an accumulator covers
+constexpr int kPairW = 2 * kWidth;  // bf16 values a hardware vector holds
 
-typedef uint16_t b32 __attribute__((vector_size(64)));
+typedef uint32_t uw __attribute__((vector_size(kWidth * 4)));  // kWidth bf16 pairs
 
-inline b32 load_b32(const uint16_t* p) {
-  b32 v;
+inline uw load_pairs(const uint16_t* p) {
+  uw v;
   std::memcpy(&v, p, sizeof(v));
   return v;
 }
 
 // acc + the pair sums of x . w (lane l: x[2l] w[2l] + x[2l+1] w[2l+1])
-inline v16 dot_pairs(v16 acc, b32 x, b32 w) {
-#if defined(__AVX512BF16__) && !defined(FLEXDRAFT_GENERIC_BF16)
-  return (v16)_mm512_dpbf16_ps((__m512)acc, (__m512bh)x, (__m512bh)w);
+inline vw dot_pairs(vw acc, uw x, uw w) {
+#if defined(__AVX512BF16__) && defined(__AVX512F__) && !defined(FLEXDRAFT_GENERIC_BF16)
+  return (vw)_mm512_dpbf16_ps((__m512)acc, (__m512bh)x, (__m512bh)w);
 #else
-  typedef uint32_t u16v __attribute__((vector_size(64)));
-  const u16v xu = (u16v)x, wu = (u16v)w;  // lane l: value 2l low, 2l + 1 high
-  const v16 x0 = (v16)(xu << 16), x1 = (v16)(xu & 0xFFFF0000u);
-  const v16 w0 = (v16)(wu << 16), w1 = (v16)(wu & 0xFFFF0000u);
+  // lane l: value 2l in the low half, 2l + 1 in the high half
+  const vw x0 = (vw)(x << 16), x1 = (vw)(x & 0xFFFF0000u);
+  const vw w0 = (vw)(w << 16), w1 = (vw)(w & 0xFFFF0000u);
   return acc + (x0 * w0 + x1 * w1);
 #endif
 }
@@ -166,46 +252,43 @@ template <int RO, int MR>
 void block_bf16(const uint16_t* __restrict x, int64_t ldx, int I,
                 const uint16_t* __restrict w, const uint16_t* __restrict wt,
                 float* __restrict y, int64_t ldy) {
-  v16 acc[RO][MR];
+  vw acc[RO][MR][kParts];
   for (int r = 0; r < RO; ++r)
-    for (int m = 0; m < MR; ++m) acc[r][m] = v16{};
+    for (int m = 0; m < MR; ++m)
+      for (int p = 0; p < kParts; ++p) acc[r][m][p] = vw{};
   const int body = I - I % kPair;
   for (int i = 0; i < body; i += kPair) {
-    b32 wv[RO];
-    for (int r = 0; r < RO; ++r) {
-      __builtin_prefetch(w + (int64_t)r * I + i + 2 * kPrefetch);
-      wv[r] = load_b32(w + (int64_t)r * I + i);
-    }
-    for (int m = 0; m < MR; ++m) {
-      const b32 xv = load_b32(x + m * ldx + i);
-      for (int r = 0; r < RO; ++r) acc[r][m] = dot_pairs(acc[r][m], xv, wv[r]);
+    for (int r = 0; r < RO; ++r) __builtin_prefetch(w + (int64_t)r * I + i + 2 * kPrefetch);
+#pragma GCC unroll 4
+    for (int p = 0; p < kParts; ++p) {
+      uw wv[RO];
+      for (int r = 0; r < RO; ++r) wv[r] = load_pairs(w + (int64_t)r * I + i + p * kPairW);
+      for (int m = 0; m < MR; ++m) {
+        const uw xv = load_pairs(x + m * ldx + i + p * kPairW);
+        for (int r = 0; r < RO; ++r) acc[r][m][p] = dot_pairs(acc[r][m][p], xv, wv[r]);
+      }
     }
   }
   if (body < I) {
-    for (int m = 0; m < MR; ++m) {
-      const b32 xv = load_b32(x + m * ldx + body);
-      for (int r = 0; r < RO; ++r)
-        acc[r][m] = dot_pairs(acc[r][m], xv, load_b32(wt + r * kPair));
-    }
+    for (int p = 0; p < kParts; ++p)
+      for (int m = 0; m < MR; ++m) {
+        const uw xv = load_pairs(x + m * ldx + body + p * kPairW);
+        for (int r = 0; r < RO; ++r)
+          acc[r][m][p] = dot_pairs(acc[r][m][p], xv, load_pairs(wt + r * kPair + p * kPairW));
+      }
   }
   store_sums<RO, MR>(acc, y, ldy);
 }
 
-// Dispatches a run-time row count 1..8 to the template instances.
-template <int RO, template <int, int> class Block>
+// Dispatches a run-time row count 1..MR to the template instances.
+template <int RO, int MR, template <int, int> class Block>
 struct ByRows {
   template <class... A>
   static void call(int mr, A... a) {
-    switch (mr) {
-      case 1: return Block<RO, 1>::run(a...);
-      case 2: return Block<RO, 2>::run(a...);
-      case 3: return Block<RO, 3>::run(a...);
-      case 4: return Block<RO, 4>::run(a...);
-      case 5: return Block<RO, 5>::run(a...);
-      case 6: return Block<RO, 6>::run(a...);
-      case 7: return Block<RO, 7>::run(a...);
-      default: return Block<RO, 8>::run(a...);
+    if constexpr (MR > 1) {
+      if (mr < MR) return ByRows<RO, MR - 1, Block>::call(mr, a...);
     }
+    Block<RO, MR>::run(a...);
   }
 };
 
@@ -225,12 +308,19 @@ struct Bf16Block {
   }
 };
 
-// Weight rows a block, at most (3 ran no faster for 8 input rows, 1 slower).
-constexpr int kWeightRows = 2;
+// A run-time weight-row count 1..RO to R's block for that many.
+template <int RO, class R>
+inline void call_rows(const R& r, int ro, int mr, int64_t n0, int64_t o,
+                      const typename R::W* wt, float* y, int64_t ldy) {
+  if constexpr (RO > 1) {
+    if (ro < RO) return call_rows<RO - 1>(r, ro, mr, n0, o, wt, y, ldy);
+  }
+  r.template call<RO>(mr, n0, o, wt, y, ldy);
+}
 
 // Weight rows o0..o1, kWeightRows at a time, each group against every input
-// row (kMaxRows a pass); R supplies the weights (R::W, tails of R::kTail
-// values) and calls its block for RO rows.
+// row (kMaxRows a pass, the group's weights read from L1 after the first);
+// R supplies the weights (R::W, tails of R::kTail values) and calls its block.
 template <class R>
 void row_groups(const R& r, int64_t o0, int64_t o1, float* y, int64_t O) {
   typedef typename R::W W;
@@ -243,9 +333,7 @@ void row_groups(const R& r, int64_t o0, int64_t o1, float* y, int64_t O) {
       std::memcpy(wt + q * TW, r.w + (o + q) * r.I + body, tail * sizeof(W));
     for (int64_t n0 = 0; n0 < r.N; n0 += kMaxRows) {
       const int mr = (int)std::min<int64_t>(kMaxRows, r.N - n0);
-      float* yn = y + n0 * O + o;
-      if (ro == 2) r.template call<2>(mr, n0, o, wt, yn, O);
-      else r.template call<1>(mr, n0, o, wt, yn, O);
+      call_rows<kWeightRows>(r, ro, mr, n0, o, wt, y + n0 * O + o, O);
     }
   }
 }
@@ -268,7 +356,7 @@ struct F32Rows {
 
   template <int RO>
   void call(int mr, int64_t n0, int64_t o, const float* wt, float* y, int64_t ldy) const {
-    ByRows<RO, F32Block>::call(mr, x + n0 * I, xtail.get() + n0 * kLanes, (int)I,
+    ByRows<RO, kMaxRows, F32Block>::call(mr, x + n0 * I, xtail.get() + n0 * kLanes, (int)I,
                                w + o * I, wt, y, ldy);
   }
 };
@@ -291,7 +379,7 @@ struct Bf16Rows {
   template <int RO>
   void call(int mr, int64_t n0, int64_t o, const uint16_t* wt, float* y,
             int64_t ldy) const {
-    ByRows<RO, Bf16Block>::call(mr, xb.get() + n0 * ldx, ldx, (int)I, w + o * I, wt, y, ldy);
+    ByRows<RO, kMaxRows, Bf16Block>::call(mr, xb.get() + n0 * ldx, ldx, (int)I, w + o * I, wt, y, ldy);
   }
 };
 
@@ -308,7 +396,7 @@ struct Job {
       : r(std::move(rows)), y(y_), O(O_) {
     // a few chunks a thread: long contiguous runs of weight rows to stream
     chunk = std::max<int64_t>(kMinChunk, (O + 4 * threads - 1) / (4 * threads));
-    chunk += chunk % kWeightRows;
+    chunk = (chunk + kWeightRows - 1) / kWeightRows * kWeightRows;
     chunks = (O + chunk - 1) / chunk;
   }
 
@@ -357,3 +445,11 @@ ffi::Error MatmulT(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<W>
 
 FD_MATMUL_HANDLER(FlexdraftMatmulT, ffi::DataType::F32)
 FD_MATMUL_HANDLER(FlexdraftMatmulTBf16, ffi::DataType::BF16)
+
+// The build's ISA and register blocking, e.g. "avx2 2x3": the key of step
+// costs measured with it (flexdraft_jax.kernels.cpu_matmul.build_info).
+extern "C" const char* FlexdraftMatmulTBuild() {
+  static char text[64];
+  std::snprintf(text, sizeof(text), "%s %dx%d", FD_ISA, kWeightRows, kMaxRows);
+  return text;
+}
