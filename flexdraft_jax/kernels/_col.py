@@ -22,6 +22,7 @@ call.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -131,6 +132,7 @@ def col_call(cfg: C.Cfg, mode, k, v, kg, rows, tables):
         out_shape=out_shape,
         compiler_params=_platform.compiler_params(cfg, 3),
         interpret=_platform.interpret_arg(cfg),
+        cost_estimate=_cost(q5, k, args, out_shape),
         name=f"flexdraft_attn_d{mode}")
     return call(q_lo.reshape(-1), q_hi.reshape(-1), *args)
 
@@ -141,5 +143,16 @@ def col_call(cfg: C.Cfg, mode, k, v, kg, rows, tables):
       in_specs=in_specs, out_specs=(out_spec, out_spec), out_shape=out_shape,
       compiler_params=_platform.compiler_params(cfg, 3),
       interpret=_platform.interpret_arg(cfg),
+      cost_estimate=_cost(q5, k, args, out_shape),
       name=f"flexdraft_attn_d{mode}")
   return call(*args, q_lo, q_hi)
+
+
+def _cost(q5, k, args, out_shape):
+  """The call's CostEstimate, every q row against every key (an upper bound):
+  4 matmuls a (row, key) pair (QK, dO V, P dO, dS Q)."""
+  B, K, nQ, bq, D = q5.shape
+  keys = math.prod(k.shape[2:-1])
+  rows = nQ * bq
+  return _platform.cost_estimate(2 * 4 * B * K * rows * keys * D, B * K * rows * keys,
+                                 list(args) + list(out_shape))

@@ -225,6 +225,7 @@ def row_call(cfg: C.Cfg, q, lim, qg, k, v, xk, xv, kg, tables,
         out_shape=out_shape,
         compiler_params=_platform.compiler_params(cfg, 3),
         interpret=_platform.interpret_arg(cfg),
+        cost_estimate=_cost(cfg, mode, q, k, args, out_shape),
         name=f"flexdraft_attn_{mode}")
     return call(nblk.reshape(-1), elo, ehi, *args)
 
@@ -235,5 +236,17 @@ def row_call(cfg: C.Cfg, q, lim, qg, k, v, xk, xv, kg, tables,
       in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
       compiler_params=_platform.compiler_params(cfg, 3),
       interpret=_platform.interpret_arg(cfg),
+      cost_estimate=_cost(cfg, mode, q, k, args, out_shape),
       name=f"flexdraft_attn_{mode}")
   return call(*args, nblk, elo, ehi)
+
+
+def _cost(cfg: C.Cfg, mode, q, k, args, out_shape):
+  """The call's CostEstimate, for a row that sees the whole cache and every
+  extra key (an upper bound: the kernels skip the blocks past each row's
+  limit): 2 matmuls a key forward (QK, PV), 3 for dq (QK, dO V, dS K)."""
+  B, K, Rp, D = q.shape
+  keys = k.shape[2] + cfg.n_e * cfg.be
+  per_key = 2 if mode == "fwd" else 3
+  return _platform.cost_estimate(2 * per_key * B * K * Rp * keys * D, B * K * Rp * keys,
+                                 list(args) + list(out_shape))
