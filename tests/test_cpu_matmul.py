@@ -147,3 +147,15 @@ def test_an_unwritable_cache_builds_in_a_temporary_directory(monkeypatch, tmp_pa
   monkeypatch.setenv("FLEXDRAFT_KERNEL_CACHE", str(blocked / "kernels"))
   path = cpu_matmul.build()
   assert not path.startswith(str(blocked)) and path.endswith(".so")
+
+
+@needs_kernel
+def test_build_info_names_the_isa_and_block_the_kernel_was_built_for():
+  """The key step costs measured with this build are kept under."""
+  import re
+  info = cpu_matmul.build_info()
+  m = re.fullmatch(r"(avx512|avx2|generic) ([1-4])x([1-8])", info)
+  assert m, info
+  flags = cpu_matmul._cpu_flags().split()
+  expected = "avx512" if "avx512f" in flags else "avx2" if {"avx2", "fma"} <= set(flags) else "generic"
+  assert m.group(1) == expected

@@ -140,6 +140,16 @@ def available() -> bool:
   return enabled_by_env() and jax.default_backend() == "cpu" and _register()
 
 
+def build_info() -> str:
+  """The loaded kernel's ISA and register blocking, e.g. "avx2 2x3" (weight x
+  input rows a block), or "" where the kernel does not run here."""
+  if not available():
+    return ""
+  lib = _LOADED[0]
+  lib.FlexdraftMatmulTBuild.restype = ctypes.c_char_p
+  return lib.FlexdraftMatmulTBuild().decode()
+
+
 def supports(w_OxI, x_NxI) -> bool:
   """fp32 x against fp32 or bf16 weights, both 2-D, where the kernel runs."""
   return (w_OxI.dtype in (jnp.float32, jnp.bfloat16) and x_NxI.dtype == jnp.float32

@@ -94,12 +94,6 @@ inline vw loadw(const float* p) {
   return v;
 }
 
-inline v16 load16(const float* p) {
-  v16 v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-
 // The sum of a 16-lane accumulator in the one fixed tree of every build:
 // lanes l and l + 8 added, then those at distance 4, 2, 1.
 #if defined(__AVX512F__)
