@@ -159,3 +159,54 @@ def test_build_info_names_the_isa_and_block_the_kernel_was_built_for():
   flags = cpu_matmul._cpu_flags().split()
   expected = "avx512" if "avx512f" in flags else "avx2" if {"avx2", "fma"} <= set(flags) else "generic"
   assert m.group(1) == expected
+
+
+def _variant(isa, tmp_path_factory):
+  """The kernel built for `isa`, registered under a name of its own."""
+  import ctypes
+  path = cpu_matmul.build(isa=isa)
+  lib = ctypes.CDLL(path)
+  name = f"flexdraft_test_matmul_{isa}"
+  jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(lib.FlexdraftMatmulT), platform="cpu")
+
+  def f(w, x):
+    out = jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), jnp.float32)
+    return jax.ffi.ffi_call(name, out, vmap_method="sequential")(x, w)
+  return lib, jax.jit(f)
+
+
+@needs_kernel
+@pytest.mark.parametrize("isa", sorted(cpu_matmul.ISAS))
+def test_each_isa_build_sums_rows_alike_whatever_rows_come_with_them(isa, tmp_path_factory):
+  """Every variant this host runs (an AVX2 build on an AVX-512 host too):
+  its ISA and block as built, a float64-close product, and row n of an
+  N-row product bit-identical to the row alone and to any slice with it."""
+  if isa not in cpu_matmul.runnable_isas():
+    pytest.skip(f"this CPU does not run the {isa} build")
+  lib, f = _variant(isa, tmp_path_factory)
+  info = cpu_matmul.library_build_info(lib)
+  if isa != "native":
+    assert info.startswith(isa + " "), info
+  w, x = _rand((150, 200), 20), _rand((21, 200), 21)
+  full = np.asarray(f(w, x))
+  ref = np.asarray(x, np.float64) @ np.asarray(w, np.float64).T
+  np.testing.assert_allclose(full, ref, rtol=1e-5, atol=1e-5 * np.sqrt(200))
+  for n in (0, 3, 5, 8, 20):
+    np.testing.assert_array_equal(full[n], np.asarray(f(w, x[n:n + 1]))[0])
+  for lo, hi in ((0, 6), (2, 9), (4, 17), (1, 21)):
+    np.testing.assert_array_equal(full[lo:hi], np.asarray(f(w, x[lo:hi])))
+
+
+def test_isa_setting_names_what_it_builds(monkeypatch, caplog):
+  monkeypatch.setenv(cpu_matmul.ISA_ENV, "generic")
+  if platform_is_x86():
+    assert cpu_matmul.selected_isa() == "generic"
+  monkeypatch.setenv(cpu_matmul.ISA_ENV, "avx9000")
+  with caplog.at_level(logging.WARNING):
+    assert cpu_matmul.selected_isa() == "native"
+  assert "FLEXDRAFT_CPU_ISA=avx9000 is not one of native, avx2, generic" in caplog.text
+
+
+def platform_is_x86() -> bool:
+  import platform
+  return platform.machine().lower() in ("x86_64", "amd64")

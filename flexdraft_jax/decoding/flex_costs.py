@@ -38,8 +38,9 @@ MIN_TIMED = 8
 TIMING_ROUNDS = 3  # rounds of timing every variant (measure)
 # Part of the step-cost cache key: bump it when a change to the decode step
 # changes what a step costs, so costs timed before it are timed again
-# (2: the transposed decode layout and buckets 2, 3, 4, 8, 16, 2026-12-02).
-STEP_COST_VERSION = 2
+# (2: the transposed decode layout and buckets 2, 3, 4, 8, 16, 2026-12-02;
+# 3: the CPU kernel's blocking by ISA, and the key names its build, 2026-12-07).
+STEP_COST_VERSION = 3
 # Where a mode's decoding chunks (RETIME_STEPS of them at least) ran more than
 # RETIME times slower or faster than its timed costs predicted, the timing
 # itself was off — a busy spell of a shared CPU while `measure` ran (it skews
@@ -238,7 +239,7 @@ class StepCosts:
         f"v{STEP_COST_VERSION}", self.target.fingerprint, dev.platform, dev.device_kind,
         len(jax.devices()), jax.__version__, B, S, d.block_size, d.num_layers, d.draft_vocab,
         self.opts.threshold > 0, self.buckets, tuple(map(str, self.modes)),
-        "cpu_matmul" if cpu_matmul.available() else "dot",
+        f"cpu_matmul {cpu_matmul.build_info()}" if cpu_matmul.available() else "dot",
         f"trees{self.tree_budgets}" if self.tree_budgets else "no_trees",
         narrowed_dtype(self.drafter.params) or "draft_dtype=target",
         f"rescore{d.rescore_top}" if d.rescores else "no_rescore",

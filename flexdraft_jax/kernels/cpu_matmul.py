@@ -17,6 +17,11 @@ The C++ source is compiled once per machine with the system's C++ compiler
 flags; `launch/setup.sh` builds it at install (`python -m flexdraft_jax
 build-kernel`). Where it cannot be built (no compiler) decoding keeps XLA's dot
 and says so once. `FLEXDRAFT_CPU_MATMUL=0` turns it off.
+
+It is built for the host's own ISA (`-march=native`: AVX-512, AVX2 or, on
+other CPUs, their vectors); `FLEXDRAFT_CPU_ISA=avx2` or `generic` (x86-64
+without AVX) builds and runs an older ISA's variant instead, to measure or
+test it on a newer host. Every variant sums in the same 16-lane order.
 """
 
 from __future__ import annotations
@@ -66,10 +71,45 @@ def _cpu_flags() -> str:
   return platform.processor()
 
 
-def _key(defines=()) -> str:
+# The ISA variants: what -march each builds for, and the CPU flags it needs.
+ISAS = {
+    "native": ((), ()),
+    "avx2": (("-march=x86-64-v3", "-mtune=native"), ("avx2", "fma")),
+    "generic": (("-march=x86-64-v2", "-mtune=native"), ()),
+}
+ISA_ENV = "FLEXDRAFT_CPU_ISA"
+
+
+def runnable_isas() -> list:
+  """The variants this host can build and run: "native" everywhere, the
+  x86 ones on x86-64 hosts whose CPU has their flags."""
+  if platform.machine().lower() not in ("x86_64", "amd64"):
+    return ["native"]
+  flags = set(_cpu_flags().split())
+  return [name for name, (_, need) in ISAS.items() if set(need) <= flags]
+
+
+def selected_isa() -> str:
+  """`$FLEXDRAFT_CPU_ISA` where this host runs it, else "native" (with a
+  warning naming what was asked)."""
+  isa = os.environ.get(ISA_ENV, "native").strip() or "native"
+  if isa not in ISAS:
+    log.warning("flexdraft_jax: %s=%s is not one of %s; building the native kernel",
+                ISA_ENV, isa, ", ".join(ISAS))
+    return "native"
+  if isa not in runnable_isas():
+    log.warning("flexdraft_jax: %s=%s does not run on this CPU (it runs %s); building "
+                "the native kernel", ISA_ENV, isa, ", ".join(runnable_isas()))
+    return "native"
+  return isa
+
+
+def _key(defines=(), isa: str = "native") -> str:
   import jaxlib
   h = hashlib.sha256()
   h.update(" ".join(defines).encode())
+  if isa != "native":  # the native key as before: kernels already built stay valid
+    h.update(f"isa={isa}".encode())
   with open(_SOURCE, "rb") as f:
     h.update(f.read())
   h.update(jaxlib.__version__.encode())
@@ -78,19 +118,20 @@ def _key(defines=()) -> str:
   return h.hexdigest()[:16]
 
 
-def compile_command(out: str, defines=()) -> list:
+def compile_command(out: str, defines=(), isa: str = "native") -> list:
   cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or "c++"
-  return [cxx, "-O3", "-march=native", "-ffp-contract=fast", "-std=c++17",
+  march = ISAS[isa][0] or ("-march=native",)
+  return [cxx, "-O3", *march, "-ffp-contract=fast", "-std=c++17",
           "-shared", "-fPIC", *(f"-D{d}" for d in defines), "-I", jax.ffi.include_dir(),
           _SOURCE, "-o", out]
 
 
-def build(verbose: bool = False, defines=()) -> str:
+def build(verbose: bool = False, defines=(), isa: str = "native") -> str:
   """The compiled library's path, compiling it first if needed (raises
   RuntimeError with the compiler's message when that fails). `defines`:
   preprocessor macros (tests build the portable bf16 path with
-  FLEXDRAFT_GENERIC_BF16)."""
-  path = os.path.join(cache_dir(), f"matmul_t-{_key(defines)}.so")
+  FLEXDRAFT_GENERIC_BF16); `isa`: a key of ISAS."""
+  path = os.path.join(cache_dir(), f"matmul_t-{_key(defines, isa)}.so")
   if os.path.exists(path):
     return path
   try:
@@ -102,7 +143,7 @@ def build(verbose: bool = False, defines=()) -> str:
     path = os.path.join(tempfile.mkdtemp(prefix="flexdraft_kernels_"), os.path.basename(path))
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(path))
   os.close(fd)
-  cmd = compile_command(tmp, defines)
+  cmd = compile_command(tmp, defines, isa)
   if verbose:
     print("flexdraft_jax: compiling the CPU matmul kernel:", " ".join(cmd))
   try:
@@ -120,7 +161,7 @@ def build(verbose: bool = False, defines=()) -> str:
 @functools.lru_cache(maxsize=None)
 def _register() -> bool:
   try:
-    lib = ctypes.CDLL(build())
+    lib = ctypes.CDLL(build(isa=selected_isa()))
   except (OSError, RuntimeError) as e:
     log.warning("flexdraft_jax: the CPU matmul kernel is unavailable (%s); "
                 "decoding uses XLA's dot", str(e).splitlines()[0])
@@ -145,7 +186,11 @@ def build_info() -> str:
   input rows a block), or "" where the kernel does not run here."""
   if not available():
     return ""
-  lib = _LOADED[0]
+  return library_build_info(_LOADED[0])
+
+
+def library_build_info(lib) -> str:
+  """The ISA and block of a loaded kernel library (a ctypes.CDLL)."""
   lib.FlexdraftMatmulTBuild.restype = ctypes.c_char_p
   return lib.FlexdraftMatmulTBuild().decode()
 
@@ -193,6 +238,6 @@ def run(argv):
   if len(argv) > 1:
     raise SystemExit(usage)
   try:
-    print("flexdraft_jax: CPU matmul kernel at", build(verbose=True))
+    print("flexdraft_jax: CPU matmul kernel at", build(verbose=True, isa=selected_isa()))
   except RuntimeError as e:
     raise SystemExit(f"flexdraft_jax: cannot build the CPU matmul kernel: {e}")

@@ -3,10 +3,11 @@
 //
 // XLA:CPU's dot runs 2-16 rows through a GEMM built for large products: with
 // the weights in DRAM, 8 rows of a [1536, 576] product took 296 us against
-// 151 us for one row, although both stream the same 3.5 MB. Here every weight
-// row is read once for up to 8 input rows (two weight rows at a time, 16 lanes
-// a vector, prefetched 1 KB ahead), so up to 8 rows cost about what one does
-// (memory-bound); more rows take one pass over the weights per 8.
+// 151 us for one row, although both stream the same 3.5 MB. Here a few weight
+// rows at a time are read from DRAM once, prefetched ahead, and multiplied
+// with every input row while they sit in L1 (a block of weight x input rows
+// in registers, sized for the ISA: see kWidth), so up to ~8 rows cost about
+// what one does (memory-bound) and more rows add only their multiply-adds.
 //
 // Every output element is summed in one fixed order whatever N is, how rows
 // are grouped, or which thread runs it: lane l of a 16-lane accumulator sums
@@ -45,25 +46,31 @@ namespace {
 // rows one block keeps in registers, follow the ISA the file is compiled for.
 // An accumulator of kLanes floats is kParts vectors of kWidth floats; a block
 // of RO weight rows x MR input rows keeps RO * MR * kParts of them, plus RO
-// weight vectors and one input vector, within the register file:
-//   AVX-512: 32 zmm, kWidth 16: 2 x 8 rows -> 16 accumulators (+2 +1);
+// weight vectors and one input vector, within the register file, and loads
+// RO + MR vectors for RO * MR multiply-adds:
+//   AVX-512: 32 zmm, kWidth 16: 4 x 4 rows -> 16 accumulators (+4 +1), 8 loads
+//            a 16 FMAs (2 x 8 took 10, and the loads bound Zen 4/5 cores);
 //   AVX2:    16 ymm, kWidth 8:  2 x 3 rows -> 12 accumulators (+2 +1), where
 //            2 x 8 (32 ymm) spilled and ran compute-bound at ~7 GFLOP/s a core;
 //   other (SSE, NEON, ...): kWidth 4, 1 x 3 rows -> 12 of 16 (+1 +1).
-// FLEXDRAFT_WEIGHT_ROWS / FLEXDRAFT_INPUT_ROWS override the block (measuring).
+// The weights are prefetched kPrefetch floats ahead of the rows in use (swept
+// on Zen 3 and Zen 5 cores: 8-12 KB keeps enough lines in flight for a block
+// that spends 2-4 ns on each line of a row).
+// FLEXDRAFT_WEIGHT_ROWS / FLEXDRAFT_INPUT_ROWS / FLEXDRAFT_PREFETCH override
+// the block and the distance (measuring).
 constexpr int kLanes = 16;
 #if defined(__AVX512F__)
 #define FD_ISA "avx512"
 constexpr int kWidth = 16;
-constexpr int kDefaultWeightRows = 2, kDefaultInputRows = 8;
+constexpr int kDefaultWeightRows = 4, kDefaultInputRows = 4, kDefaultPrefetch = 3072;
 #elif defined(__AVX2__) && defined(__FMA__)
 #define FD_ISA "avx2"
 constexpr int kWidth = 8;
-constexpr int kDefaultWeightRows = 2, kDefaultInputRows = 3;
+constexpr int kDefaultWeightRows = 2, kDefaultInputRows = 3, kDefaultPrefetch = 2048;
 #else
 #define FD_ISA "generic"
 constexpr int kWidth = 4;
-constexpr int kDefaultWeightRows = 1, kDefaultInputRows = 3;
+constexpr int kDefaultWeightRows = 1, kDefaultInputRows = 3, kDefaultPrefetch = 2048;
 #endif
 #ifdef FLEXDRAFT_WEIGHT_ROWS
 constexpr int kWeightRows = FLEXDRAFT_WEIGHT_ROWS;
@@ -79,9 +86,9 @@ static_assert(kWeightRows >= 1 && kWeightRows <= 4 && kMaxRows >= 1 && kMaxRows 
               "blocks of 1-4 weight rows and 1-8 input rows");
 constexpr int kParts = kLanes / kWidth;
 #ifdef FLEXDRAFT_PREFETCH
-constexpr int kPrefetch = FLEXDRAFT_PREFETCH;
+constexpr int kPrefetch = FLEXDRAFT_PREFETCH;  // floats ahead
 #else
-constexpr int kPrefetch = 1024;  // floats ahead (4 KB)
+constexpr int kPrefetch = kDefaultPrefetch;
 #endif
 constexpr int kMinChunk = 16;    // output rows a claim, at least
 
@@ -92,6 +99,19 @@ inline vw loadw(const float* p) {
   vw v;
   std::memcpy(&v, p, sizeof(v));
   return v;
+}
+
+// Keeps v in a register: left to itself the compiler folds a vector's load
+// into each multiply-add that uses it (an input row's into RO of them, or a
+// weight row's into MR), several loads where one does, and on cores with one
+// 512-bit load a cycle (Zen 4/5) the block then waits on loads.
+template <class V>
+inline void in_register(V& v) {
+#if defined(__x86_64__) && defined(__AVX__)
+  asm("" : "+v"(v));
+#else
+  (void)v;
+#endif
 }
 
 // The sum of a 16-lane accumulator in the one fixed tree of every build:
@@ -122,18 +142,19 @@ inline v16 hsum16(const v16* a) {
   return halve<2>(d[0], d[1]);
 }
 
-// y[m, r] = the lane sum of acc[r][m][0] (one hsum16 for the whole block).
+// y[m, r] = the lane sum of acc[r][m][0], 16 accumulators an hsum16 (each
+// vector is summed by the same tree whatever vectors come with it).
 template <int RO, int MR>
 inline void store_sums(const vw (&acc)[RO][MR][kParts], float* __restrict y, int64_t ldy) {
-  static_assert(RO * MR <= kLanes, "one hsum16 sums 16 vectors");
-  v16 all[kLanes] = {};
-  for (int r = 0; r < RO; ++r)
-    for (int m = 0; m < MR; ++m) all[r * MR + m] = acc[r][m][0];
-  float sums[kLanes];
-  const v16 s = hsum16(all);
-  std::memcpy(sums, &s, sizeof(s));
-  for (int m = 0; m < MR; ++m)
-    for (int r = 0; r < RO; ++r) y[m * ldy + r] = sums[r * MR + m];
+  constexpr int n = RO * MR;
+  for (int q0 = 0; q0 < n; q0 += kLanes) {
+    v16 all[kLanes] = {};
+    for (int q = q0; q < std::min(n, q0 + kLanes); ++q) all[q - q0] = acc[q / MR][q % MR][0];
+    float sums[kLanes];
+    const v16 s = hsum16(all);
+    std::memcpy(sums, &s, sizeof(s));
+    for (int q = q0; q < std::min(n, q0 + kLanes); ++q) y[(q % MR) * ldy + q / MR] = sums[q - q0];
+  }
 }
 #elif defined(__AVX2__) && defined(__FMA__)
 // lanes 0-7 + lanes 8-15 (distance 8), then halves of 128 bits (4), then 2, 1
@@ -185,9 +206,13 @@ void block(const float* __restrict x, const float* __restrict xt, int I,
 #pragma GCC unroll 4
     for (int p = 0; p < kParts; ++p) {
       vw wv[RO];
-      for (int r = 0; r < RO; ++r) wv[r] = loadw(w + (int64_t)r * I + i + p * kWidth);
+      for (int r = 0; r < RO; ++r) {
+        wv[r] = loadw(w + (int64_t)r * I + i + p * kWidth);
+        in_register(wv[r]);
+      }
       for (int m = 0; m < MR; ++m) {
-        const vw xv = loadw(x + (int64_t)m * I + i + p * kWidth);
+        vw xv = loadw(x + (int64_t)m * I + i + p * kWidth);
+        in_register(xv);
         for (int r = 0; r < RO; ++r) acc[r][m][p] += xv * wv[r];
       }
     }
@@ -320,13 +345,17 @@ void row_groups(const R& r, int64_t o0, int64_t o1, float* y, int64_t O) {
   typedef typename R::W W;
   constexpr int TW = R::kTail;
   const int64_t tail = r.I % TW, body = r.I - tail;
+  // the input rows in passes of at most kMaxRows, as even as they go (6 rows
+  // of a 4-row block: 3 + 3, not 4 + 2)
+  const int64_t passes = (r.N + kMaxRows - 1) / kMaxRows;
+  const int64_t pass = (r.N + passes - 1) / passes;
   for (int64_t o = o0; o < o1; o += kWeightRows) {
     const int ro = (int)std::min<int64_t>(kWeightRows, o1 - o);
     W wt[kWeightRows * TW] = {};
     for (int q = 0; q < ro; ++q)
       std::memcpy(wt + q * TW, r.w + (o + q) * r.I + body, tail * sizeof(W));
-    for (int64_t n0 = 0; n0 < r.N; n0 += kMaxRows) {
-      const int mr = (int)std::min<int64_t>(kMaxRows, r.N - n0);
+    for (int64_t n0 = 0; n0 < r.N; n0 += pass) {
+      const int mr = (int)std::min<int64_t>(pass, r.N - n0);
       call_rows<kWeightRows>(r, ro, mr, n0, o, wt, y + n0 * O + o, O);
     }
   }
