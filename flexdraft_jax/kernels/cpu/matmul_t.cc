@@ -25,6 +25,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
@@ -475,4 +476,46 @@ extern "C" const char* FlexdraftMatmulTBuild() {
   static char text[64];
   std::snprintf(text, sizeof(text), "%s %dx%d", FD_ISA, kWeightRows, kMaxRows);
   return text;
+}
+
+// Roofline probes at the build's vector width (launch/bench_cpu_roofline.py),
+// one thread each (call them from several threads for the whole CPU).
+
+// GFLOP/s of multiply-adds on registers alone: 16 independent accumulators,
+// enough to cover any core's FMA latency x throughput.
+extern "C" double FlexdraftFmaGflops(int64_t iters) {
+  volatile float one = 1.0f, factor = 0.999f, step = 1e-3f;  // unknown when compiling
+  vw a[16], b, c;
+  for (int l = 0; l < kWidth; ++l) b[l] = factor, c[l] = step;
+  for (int j = 0; j < 16; ++j)
+    for (int l = 0; l < kWidth; ++l) a[j][l] = one + step * (j + l);
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int64_t k = 0; k < iters; ++k) {
+#pragma GCC unroll 16
+    for (int j = 0; j < 16; ++j) a[j] = a[j] * b + c;
+  }
+  float sink = 0;
+  for (int j = 0; j < 16; ++j) sink += a[j][0];
+  volatile float keep = sink;  // stored before the clock is read again
+  (void)keep;
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return 2.0 * 16 * kWidth * iters / s / 1e9;
+}
+
+// GB/s of one pass reading n floats (a buffer far larger than the caches: the
+// stream bandwidth one thread gets from DRAM), the best of reps passes.
+extern "C" double FlexdraftReadGBps(const float* p, int64_t n, int reps) {
+  double best = 0;
+  for (int rep = 0; rep < reps; ++rep) {
+    vw s[4] = {};
+    const auto t0 = std::chrono::steady_clock::now();
+    int64_t i = 0;
+    for (; i + 4 * kWidth <= n; i += 4 * kWidth)
+      for (int j = 0; j < 4; ++j) s[j] += loadw(p + i + j * kWidth);
+    volatile float keep = (s[0] + s[1] + s[2] + s[3])[0];
+    (void)keep;
+    const double sec = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    best = std::max(best, 4.0 * i / sec / 1e9);
+  }
+  return best;
 }
