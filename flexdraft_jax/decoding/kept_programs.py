@@ -117,8 +117,8 @@ class KeptProgram:
     static = tuple(sorted((k, v) for k, v in kwargs.items() if k in self.static_argnames))
     dynamic = {k: v for k, v in kwargs.items() if k not in self.static_argnames}
     leaves, tree = jax.tree.flatten((args, dynamic))
-    if not all(isinstance(x, jax.Array) and len(x.sharding.device_set) == 1
-               for x in leaves):
+    if not all(isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
+               and len(x.sharding.device_set) == 1 for x in leaves):  # (traced: inlined)
       return self.jitted(*args, **kwargs)
     signature = (static, tree, tuple((x.aval, x.sharding) for x in leaves))
     program = self._programs.get(signature)

@@ -282,9 +282,13 @@ void block_bf16(const uint16_t* __restrict x, int64_t ldx, int I,
 #pragma GCC unroll 4
     for (int p = 0; p < kParts; ++p) {
       uw wv[RO];
-      for (int r = 0; r < RO; ++r) wv[r] = load_pairs(w + (int64_t)r * I + i + p * kPairW);
+      for (int r = 0; r < RO; ++r) {
+        wv[r] = load_pairs(w + (int64_t)r * I + i + p * kPairW);
+        in_register(wv[r]);
+      }
       for (int m = 0; m < MR; ++m) {
-        const uw xv = load_pairs(x + m * ldx + i + p * kPairW);
+        uw xv = load_pairs(x + m * ldx + i + p * kPairW);
+        in_register(xv);
         for (int r = 0; r < RO; ++r) acc[r][m][p] = dot_pairs(acc[r][m][p], xv, wv[r]);
       }
     }
