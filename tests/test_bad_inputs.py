@@ -378,6 +378,18 @@ CASES = [
         "`DIR.tmp`)", ["self-instruct", f"--config={TINY}", "--num=2", "--out={d}/notok"],
         "error: --out {d}/notok is a directory: pass the path of the question file (JSON "
         "lines), e.g. {d}/notok/questions.jsonl"),
+    # ------------------ resumes with other settings, checks before the work ----
+    cli("regenerate", "a rerun with other settings into a folder of answers (300- and "
+        "20-token answers were mixed)",
+        ["regenerate", f"--config={TINY}", "--config.data.max_new_tokens=20",
+         "--config.data.regen_dir={d}/regen300"],
+        "error: {d}/regen300 holds answers with max_new_tokens=300, not 20; use another "
+        "--config.data.regen_dir"),
+    cli("regenerate", "a folder of answers without `meta.json` (a run stopped before its "
+        "end: its settings unknown)",
+        ["regenerate", f"--config={TINY}", "--config.data.regen_dir={d}/regen"],
+        "error: {d}/regen holds 6 shards of answers but no meta.json saying which target "
+        "and settings made them; use another --config.data.regen_dir"),
 ]
 
 
@@ -407,6 +419,10 @@ def bad_files(tmp_path_factory):
   (tmp_path / "eval_prompts.json").write_text(json.dumps({"gsm8k": ["What is 2+3?"]}))
   (tmp_path / "listresults").mkdir()  # an eval workdir whose results.json is not its own
   (tmp_path / "listresults" / "results.json").write_text("[1, 2, 3]")
+  regen_store.write_shard(str(tmp_path / "regen300"), 0, [])  # answers of 300 tokens
+  (tmp_path / "regen300" / "meta.json").write_text(json.dumps(
+      {"target": "random:tiny:0", "max_new_tokens": 300, "chat_kwargs": {},
+       "dtype": "float32"}))
   target0 = tiny.tiny_target()  # random:tiny:0's answers, with their meta.json
   tiny.write_fake_regen(str(tmp_path / "regen0"), target0, n=24)
   (tmp_path / "regen0" / "meta.json").write_text(json.dumps(

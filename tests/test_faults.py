@@ -427,6 +427,60 @@ def test_regenerate_interrupted_keeps_its_shards_and_resumes(tmp_path, monkeypat
   assert regen_store.read_shards(regen_dir)[:2] == first  # kept, not answered again
 
 
+def test_regenerate_stopped_early_refuses_a_rerun_with_other_settings(tmp_path, monkeypatch,
+                                                                      capsys):
+  # The settings are on disk before the first shard: a run stopped before its end
+  # (before it used to write meta.json) cannot be continued with others.
+  from flexdraft_jax.model import loading
+  monkeypatch.setenv("FLEXDRAFT_DATA", data_fixture.write(str(tmp_path / "data")))
+  regen_dir = str(tmp_path / "regen")
+  argv = ["flexdraft_jax regenerate", f"--config={TINY}",
+          f"--config.data.regen_dir={regen_dir}", "--config.data.max_new_tokens=3",
+          "--config.data.batch_size=2", "--config.data.mix.gsm8k=4",
+          "--config.data.mix.mbpp=0", "--config.data.mix.arena_hard_v01=0"]
+  write = regen_store.write_shard
+
+  def write_then_interrupt(*a, **k):
+    out = write(*a, **k)
+    os.kill(os.getpid(), signal.SIGINT)
+    return out
+
+  with monkeypatch.context() as m, pytest.raises(SystemExit) as e:
+    m.setattr(regen_store, "write_shard", write_then_interrupt)
+    regenerate.run(argv)
+  assert e.value.code == 128 + signal.SIGINT
+  meta_path = os.path.join(regen_dir, "meta.json")
+  assert json.load(open(meta_path))["max_new_tokens"] == 3  # written before the shard
+  before = _tree(regen_dir)
+
+  def no_model(*a, **k):
+    raise AssertionError("the model was loaded before the settings were checked")
+
+  capsys.readouterr()
+  for flag, line in (
+      ("--config.data.max_new_tokens=20", "max_new_tokens=3, not 20"),
+      ("--config.dtype=bfloat16", "dtype='float32', not 'bfloat16'")):
+    with monkeypatch.context() as m, pytest.raises(SystemExit) as e:
+      m.setattr(loading, "load_target", no_model)
+      regenerate.run(argv + [flag])
+    assert e.value.code == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert err.strip().splitlines() == [
+        f"error: {regen_dir} holds answers with {line}; use another "
+        "--config.data.regen_dir"]
+    assert _tree(regen_dir) == before  # nothing written, nothing removed
+
+  # shards without a meta.json (a run of an earlier version, stopped before its
+  # end): what made them is unknown, so nothing is added to them
+  os.remove(meta_path)
+  with pytest.raises(FlexDraftError, match=rf"^{regen_dir} holds 1 shards of answers but no "
+                     r"meta.json saying which target and settings made them; use another "
+                     r"--config.data.regen_dir$"):
+    regenerate.regenerate(tiny.tiny_config(regen_dir))
+  assert not os.path.exists(meta_path)
+
+
 # -------------------------------------------------------------- eval ----
 
 def _eval_argv(workdir, prompts_file, modes):
