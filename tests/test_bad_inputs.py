@@ -390,6 +390,13 @@ CASES = [
         ["regenerate", f"--config={TINY}", "--config.data.regen_dir={d}/regen"],
         "error: {d}/regen holds 6 shards of answers but no meta.json saying which target "
         "and settings made them; use another --config.data.regen_dir"),
+    cli("eval", "`--config.dtype=bfloat16` into a float32 workdir (reported its float32 "
+        "cells as done)",
+        ["eval", f"--config={EVAL}", "--config.eval.prompts_file={d}/eval_prompts.json",
+         "--config.eval.datasets=gsm8k", "--config.ablation.enabled=False",
+         "--config.dtype=bfloat16", "--workdir", "{d}/f32results"],
+        "error: {d}/f32results holds results for dtype='float32', not 'bfloat16'; use "
+        "another --workdir"),
 ]
 
 
@@ -419,6 +426,10 @@ def bad_files(tmp_path_factory):
   (tmp_path / "eval_prompts.json").write_text(json.dumps({"gsm8k": ["What is 2+3?"]}))
   (tmp_path / "listresults").mkdir()  # an eval workdir whose results.json is not its own
   (tmp_path / "listresults" / "results.json").write_text("[1, 2, 3]")
+  (tmp_path / "f32results").mkdir()  # an eval workdir begun in float32
+  (tmp_path / "f32results" / "results.json").write_text(json.dumps(
+      {"version": 1, "meta": {"settings": {"dtype": "float32"}, "prompts": {}},
+       "cells": {}, "ablation": []}))
   regen_store.write_shard(str(tmp_path / "regen300"), 0, [])  # answers of 300 tokens
   (tmp_path / "regen300" / "meta.json").write_text(json.dumps(
       {"target": "random:tiny:0", "max_new_tokens": 300, "chat_kwargs": {},

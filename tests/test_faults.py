@@ -532,6 +532,54 @@ def test_eval_interrupted_keeps_its_cells_and_resumes(tmp_path, prompts_file, mo
   assert "1 cells run, 1 already done" in capsys.readouterr().out
 
 
+def test_eval_rerun_with_other_settings_is_refused_even_before_its_first_cell(
+    tmp_path, prompts_file, monkeypatch, capsys):
+  # A bfloat16 rerun into a float32 workdir said "0 cells run, 2 already done"
+  # and reported the float32 cells as its own.
+  from flexdraft_jax import api
+  from flexdraft_jax.evaluation import cells, sweep
+  w = str(tmp_path / "eval")
+  argv = _eval_argv(w, prompts_file, "ar,sequential")
+  results = os.path.join(w, "results.json")
+  run_cell = cells.run_cell
+
+  def term_in_first_cell(*a, **k):
+    os.kill(os.getpid(), signal.SIGTERM)
+    return run_cell(*a, **k)
+
+  with monkeypatch.context() as m, pytest.raises(SystemExit) as e:
+    m.setattr(cells, "run_cell", term_in_first_cell)
+    sweep.run(argv)
+  assert e.value.code == 128 + signal.SIGTERM
+  kept = json.load(open(results))  # the settings are on disk before any cell
+  assert kept["cells"] == {} and kept["meta"]["settings"]["dtype"] == "float32"
+
+  def no_model(*a, **k):
+    raise AssertionError("the model was loaded before the settings were checked")
+
+  def refused(extra, line):
+    before = _tree(w)
+    capsys.readouterr()
+    with monkeypatch.context() as m, pytest.raises(SystemExit) as e:
+      m.setattr(api, "load_target", no_model)
+      sweep.run(argv + extra)
+    assert e.value.code == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert err.strip().splitlines() == [f"error: {w} holds results for {line}; use "
+                                        "another --workdir"]
+    assert _tree(w) == before  # nothing written
+
+  refused(["--config.dtype=bfloat16"], "dtype='float32', not 'bfloat16'")
+  with pytest.raises(SystemExit) as e:  # the same settings resume
+    sweep.run(argv)
+  assert e.value.code in (0, None)
+  assert "eval: 2 cells run, 0 already done" in capsys.readouterr().out
+  refused(["--config.dtype=bfloat16"], "dtype='float32', not 'bfloat16'")
+  refused(["--config.eval.lossless_tol=0.5"], "eval.lossless_tol=1e-05, not 0.5")
+  assert "target in float32" in open(os.path.join(w, "results.md")).read()
+
+
 def test_eval_that_ran_nothing_but_the_baseline_says_so_and_fails(tmp_path, prompts_file,
                                                                  monkeypatch, capsys):
   # A drafter trained only to read the bonus: the sweep leaves its parallel
