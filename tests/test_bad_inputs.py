@@ -407,6 +407,14 @@ CASES = [
         dict(prompts=[[3, 4, 5]] * 3 + [[3] * 2100],
              runtime=lambda t: fd.RuntimeOptions(batch_size=1)),
         "prompt 3 (2100 tokens) + max_new_tokens=2 exceeds the model's context of 2048"),
+    cli("offline-accept", "`--fit_out` under a file (ran the whole fit, then a "
+        "FileExistsError)", ["offline-accept", "--fit_temperature", "--fit_out={d}/afile/fit.json"],
+        "error: --fit_out {d}/afile/fit.json: a file is in the way ({d}/afile is not a "
+        "directory)"),
+    cli("offline-tau", "`--answers` under a file (answered every benchmark, then a "
+        "NotADirectoryError)", ["offline-tau", "--answers={d}/afile/answers.json"],
+        "error: --answers {d}/afile/answers.json: a file is in the way ({d}/afile is not a "
+        "directory)"),
 ]
 
 

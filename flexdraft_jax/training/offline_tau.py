@@ -195,8 +195,10 @@ def prepare(FLAGS, command: str, temperatures=(0.0,)):
     if not os.path.isdir(plan.resolve_path(path)):
       raise FlexDraftError(f"--drafters: no drafter at {path} (not a directory)")
     checkpoint.read_meta(plan.resolve_path(path))  # unreadable: one line
+  from flexdraft_jax.cli_util import check_can_write
   answers = FLAGS.answers or os.path.join(runs_root(), "offline_tau", "answers.json")
   read_answers(answers)
+  check_can_write(answers, "--answers")  # now, not after answering the benchmarks
   print(f"{command}: the target's answers are cached in {os.path.abspath(answers)} "
         "(--answers)", flush=True)
   import flexdraft_jax as fd
