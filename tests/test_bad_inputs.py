@@ -415,6 +415,9 @@ CASES = [
         "NotADirectoryError)", ["offline-tau", "--answers={d}/afile/answers.json"],
         "error: --answers {d}/afile/answers.json: a file is in the way ({d}/afile is not a "
         "directory)"),
+    cli("add-ngram", "`--out` under a file (counted the n-grams, then failed to write)",
+        ["add-ngram", f"--config={TINY}", "--out={d}/afile/ngram"],
+        "error: --out {d}/afile/ngram: a file is in the way ({d}/afile is not a directory)"),
 ]
 
 
