@@ -613,6 +613,35 @@ def test_eval_that_ran_nothing_but_the_baseline_says_so_and_fails(tmp_path, prom
   assert list(results["skipped_cells"]) == [key] and key not in results["cells"]
 
 
+# ---------------------------------------------------- the answers cache ----
+
+def test_answers_cache_answers_other_prompts_of_a_benchmark_anew(tmp_path, monkeypatch):
+  # offline-tau's cache is keyed by benchmark, limit, max_new_tokens and target: a
+  # --data_dir with other gsm8k prompts got the cached answers to the first ones.
+  from flexdraft_jax.training import offline_tau
+  target, cache = tiny.tiny_target(), str(tmp_path / "answers.json")
+  first = data_fixture.write(str(tmp_path / "a"))
+  other = data_fixture.write(str(tmp_path / "b"))
+  test = os.path.join(other, "gsm8k", "test.jsonl")
+  rows = [json.loads(x) for x in open(test)]
+  with open(test, "w") as f:
+    for r in rows:
+      f.write(json.dumps(dict(r, question="Another question: " + r["question"])) + "\n")
+  answered = []
+  generate = fd.generate
+  monkeypatch.setattr(fd, "generate", lambda *a, **k: answered.append(1) or generate(*a, **k))
+
+  def answers(data_dir):
+    return offline_tau.benchmark_answers(target, "gsm8k", data_dir, limit=2,
+                                         max_new_tokens=3, batch_size=2, cache=cache)
+
+  a = answers(first)
+  b = answers(other)
+  assert len(answered) == 2 and a["prompts"] != b["prompts"]
+  assert answers(first) == a and answers(other) == b and len(answered) == 2  # both kept
+  assert len(json.load(open(cache))) == 2
+
+
 # ------------------------------------------------------------ generate ----
 
 def test_ids_decoded_without_a_tokenizer_are_returned():
