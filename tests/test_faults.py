@@ -740,6 +740,31 @@ def test_self_instruct_gives_up_on_a_target_that_never_writes_a_question(tmp_pat
   assert sorted(os.listdir(tmp_path)) == ["q.jsonl"]  # no q.jsonl.tmp left
 
 
+def test_self_instruct_rerun_with_other_settings_is_one_line_before_the_model_loads(
+    tmp_path, monkeypatch, capsys):
+  from flexdraft_jax.model import loading
+  from flexdraft_jax.training import self_instruct as si
+  out = tmp_path / "q.jsonl"
+  made = si.settings(tiny.tiny_test_config(), tiny.tiny_target())
+  out.write_text(json.dumps({"uid": "self_instruct:0-000000", "source": "self_instruct",
+                             "question": "What is a lemma?", "candidate": 0,
+                             "generation": made}) + "\n")
+  before = out.read_text()
+
+  def no_model(*a, **k):
+    raise AssertionError("the model was loaded before the settings were checked")
+
+  monkeypatch.setattr(loading, "load_target", no_model)
+  with pytest.raises(SystemExit) as e:
+    si.run(["flexdraft_jax self-instruct", f"--config={TINY}", "--num=3", f"--out={out}",
+            "--config.data.self_instruct.temperature=0.25"])
+  assert e.value.code == 1
+  assert capsys.readouterr().err.strip().splitlines() == [
+      f"error: {out} holds questions made with temperature={made['temperature']!r}, not "
+      "0.25; use another --out"]
+  assert out.read_text() == before
+
+
 def test_eval_over_a_results_file_it_did_not_write_leaves_it_as_it_is(tmp_path, prompts_file,
                                                                       capsys):
   from flexdraft_jax.evaluation import sweep
