@@ -47,7 +47,6 @@ def check_request(cfg, plens, max_new, bs, max_len, tree_budget=0) -> None:
       raise PromptDoesNotFit(
           f"{{prompt}} ({n} tokens) + max_new_tokens={max_new} exceeds the model's "
           f"context of {cfg.max_position_embeddings}", i)
-  most = round_up(cfg.max_position_embeddings + spare, KV_BLOCK)
   if max_len is None:
     return
   longest = max(plens)
@@ -61,6 +60,7 @@ def check_request(cfg, plens, max_new, bs, max_len, tree_budget=0) -> None:
         f"runtime.max_len={max_len} is too short: {{prompt}} ({longest} tokens) + "
         f"max_new_tokens={max_new} needs {need} (with {spare} spare positions for the "
         "decode steps); raise it, or leave it unset", i)
+  most = round_up(cfg.max_position_embeddings + spare, KV_BLOCK)
   if max_len > most:  # positions past the context are never written: memory for nothing
     raise FlexDraftError(
         f"runtime.max_len={max_len} is beyond the model's context of "
