@@ -24,7 +24,7 @@ import warnings
 from absl import flags
 
 from flexdraft_jax import cli_util
-from flexdraft_jax.decoding import options, timing
+from flexdraft_jax.decoding import capacity, options, timing
 from flexdraft_jax.decoding.verify import STRATEGIES
 from flexdraft_jax.model.config import FlexDraftError, FlexDraftWarning
 
@@ -150,6 +150,7 @@ def _options(args) -> dict:
 
 
 def _read_prompts_file(path: str) -> list:
+  """[(line number, prompt)] of a JSONL prompts file."""
   prompts = []
   try:
     with open(path, encoding="utf-8") as f:
@@ -168,7 +169,7 @@ def _read_prompts_file(path: str) -> list:
           if not isinstance(rec, str):
             raise FlexDraftError(f"{path}:{n}: {key!r} must be a string, got "
                                  f"{type(rec).__name__} {json.dumps(rec)}")
-        prompts.append(rec)
+        prompts.append((n, rec))
   except FileNotFoundError:
     raise FlexDraftError(f"prompts file not found: {path}") from None
   except IsADirectoryError:
@@ -199,8 +200,13 @@ def _main(rest) -> int:
     raise FlexDraftError(f"unexpected arguments: {' '.join(rest[1:])} (see --help)")
   args = _Args()
   prompts = list(args.prompt)
+  # where each prompt came from, as an error names it
+  origins = (["the prompt"] if len(prompts) == 1 else
+             [f"--prompt number {k}" for k in range(1, len(prompts) + 1)])
   if args.prompts_file:
-    prompts += _read_prompts_file(args.prompts_file)
+    lines = _read_prompts_file(args.prompts_file)
+    prompts += [p for _, p in lines]
+    origins += [f"the prompt on {args.prompts_file}:{n}" for n, _ in lines]
   if not prompts:
     raise FlexDraftError("no prompts: pass --prompt TEXT or --prompts-file F.jsonl")
   if args.stream and args.json:
@@ -254,6 +260,9 @@ def _main(rest) -> int:
         result = _stream(fd.generate_stream(target, prompts, **call), prompts)
       else:
         result = fd.generate(target, prompts, **call)
+    except capacity.PromptDoesNotFit as e:  # named as the command line gave it
+      flagged = capacity.PromptDoesNotFit(_flag_names(e.template, names, lead=False), e.index)
+      raise FlexDraftError(flagged.named(origins[e.index])) from None
     except FlexDraftError as e:
       raise FlexDraftError(_flag_names(str(e), names, lead=False)) from None
   times = command_times(result.stats, loading_started, loaded)

@@ -177,6 +177,21 @@ def writable_dir(path: str, flag: str = "--workdir") -> str:
   return full
 
 
+def check_can_write(path: str, flag: str) -> None:
+  """`path`, a file or folder a command writes when its work is done, can be
+  written then: the nearest folder above it that exists is a folder (not a
+  file in the way) and writable. One line otherwise, before the work."""
+  full = os.path.abspath(os.path.expanduser(path))
+  parent = os.path.dirname(full)
+  while not os.path.lexists(parent):
+    parent = os.path.dirname(parent)
+  if not os.path.isdir(parent):
+    raise FlexDraftError(f"{flag} {path}: a file is in the way ({parent} is not a "
+                         "directory)")
+  if not os.access(parent, os.W_OK | os.X_OK):
+    raise FlexDraftError(f"{flag} {path} cannot be written: {parent} is not writable")
+
+
 def config_and_workdir(args, example: str):
   """The --config and --workdir flags of a config-driven command, checked (the
   workdir is made and must be writable)."""

@@ -100,15 +100,15 @@ CASES = [
         "are text: add the tokenizer, or pass token ids to generate() in Python"),
     cli("generate", "a prompt past the model's context with `--max-len` (was not checked)",
         ["generate", *GEN, "--prompt", "x" * 2100, "--max-len", "4096"],
-        "error: prompt of 2100 tokens + --max-new-tokens=2 exceeds the model's context of "
-        "2048", model=True),
+        "error: --prompt number 2 (2100 tokens) + --max-new-tokens=2 exceeds the model's "
+        "context of 2048", model=True),
     cli("generate", "`--max-new-tokens 2147483648 --max-len 4096` (an OverflowError)",
         ["generate", *GEN[:4], "--max-new-tokens", "2147483648", "--max-len", "4096"],
         "error: --max-new-tokens=2147483648 is beyond any model's context (positions are "
         "int32: at most 2147483647)"),
     cli("generate", "`--max-len 6 --max-new-tokens 8` (the cache grew silently)",
         ["generate", *GEN[:4], "--max-new-tokens", "8", "--max-len", "6"],
-        "error: --max-len=6 is too short: a prompt of 2 tokens + --max-new-tokens=8 needs "
+        "error: --max-len=6 is too short: the prompt (2 tokens) + --max-new-tokens=8 needs "
         "13 (with 3 spare positions for the decode steps); raise it, or leave it unset",
         model=True),
     cli("generate", "`--model` a drafter folder (advised adding a tokenizer)",
@@ -378,6 +378,46 @@ CASES = [
         "`DIR.tmp`)", ["self-instruct", f"--config={TINY}", "--num=2", "--out={d}/notok"],
         "error: --out {d}/notok is a directory: pass the path of the question file (JSON "
         "lines), e.g. {d}/notok/questions.jsonl"),
+    # ------------------ resumes with other settings, checks before the work ----
+    cli("regenerate", "a rerun with other settings into a folder of answers (300- and "
+        "20-token answers were mixed)",
+        ["regenerate", f"--config={TINY}", "--config.data.max_new_tokens=20",
+         "--config.data.regen_dir={d}/regen300"],
+        "error: {d}/regen300 holds answers with max_new_tokens=300, not 20; use another "
+        "--config.data.regen_dir"),
+    cli("regenerate", "a folder of answers without `meta.json` (a run stopped before its "
+        "end: its settings unknown)",
+        ["regenerate", f"--config={TINY}", "--config.data.regen_dir={d}/regen"],
+        "error: {d}/regen holds 6 shards of answers but no meta.json saying which target "
+        "and settings made them; use another --config.data.regen_dir"),
+    cli("eval", "`--config.dtype=bfloat16` into a float32 workdir (reported its float32 "
+        "cells as done)",
+        ["eval", f"--config={EVAL}", "--config.eval.prompts_file={d}/eval_prompts.json",
+         "--config.eval.datasets=gsm8k", "--config.ablation.enabled=False",
+         "--config.dtype=bfloat16", "--workdir", "{d}/f32results"],
+        "error: {d}/f32results holds results for dtype='float32', not 'bfloat16'; use "
+        "another --workdir"),
+    cli("generate", "a prompts file whose 4th prompt is past the model's context (decoded "
+        "the first 3, then failed: their outputs lost)",
+        ["generate", "--model", "random:tiny", "--max-new-tokens", "2", "--batch-size", "1",
+         "--prompts-file", "{d}/long4.jsonl"],
+        "error: the prompt on {d}/long4.jsonl:4 (2100 tokens) + --max-new-tokens=2 exceeds "
+        "the model's context of 2048", model=True),
+    api("the 4th of 4 prompts past the model's context (the first 3 decoded, then lost)",
+        dict(prompts=[[3, 4, 5]] * 3 + [[3] * 2100],
+             runtime=lambda t: fd.RuntimeOptions(batch_size=1)),
+        "prompt 3 (2100 tokens) + max_new_tokens=2 exceeds the model's context of 2048"),
+    cli("offline-accept", "`--fit_out` under a file (ran the whole fit, then a "
+        "FileExistsError)", ["offline-accept", "--fit_temperature", "--fit_out={d}/afile/fit.json"],
+        "error: --fit_out {d}/afile/fit.json: a file is in the way ({d}/afile is not a "
+        "directory)"),
+    cli("offline-tau", "`--answers` under a file (answered every benchmark, then a "
+        "NotADirectoryError)", ["offline-tau", "--answers={d}/afile/answers.json"],
+        "error: --answers {d}/afile/answers.json: a file is in the way ({d}/afile is not a "
+        "directory)"),
+    cli("add-ngram", "`--out` under a file (counted the n-grams, then failed to write)",
+        ["add-ngram", f"--config={TINY}", "--out={d}/afile/ngram"],
+        "error: --out {d}/afile/ngram: a file is in the way ({d}/afile is not a directory)"),
 ]
 
 
@@ -407,6 +447,16 @@ def bad_files(tmp_path_factory):
   (tmp_path / "eval_prompts.json").write_text(json.dumps({"gsm8k": ["What is 2+3?"]}))
   (tmp_path / "listresults").mkdir()  # an eval workdir whose results.json is not its own
   (tmp_path / "listresults" / "results.json").write_text("[1, 2, 3]")
+  (tmp_path / "long4.jsonl").write_text("".join(  # its 4th prompt: past the context
+      json.dumps(p) + "\n" for p in ["a", "b", "c", "x" * 2100]))
+  (tmp_path / "f32results").mkdir()  # an eval workdir begun in float32
+  (tmp_path / "f32results" / "results.json").write_text(json.dumps(
+      {"version": 1, "meta": {"settings": {"dtype": "float32"}, "prompts": {}},
+       "cells": {}, "ablation": []}))
+  regen_store.write_shard(str(tmp_path / "regen300"), 0, [])  # answers of 300 tokens
+  (tmp_path / "regen300" / "meta.json").write_text(json.dumps(
+      {"target": "random:tiny:0", "max_new_tokens": 300, "chat_kwargs": {},
+       "dtype": "float32"}))
   target0 = tiny.tiny_target()  # random:tiny:0's answers, with their meta.json
   tiny.write_fake_regen(str(tmp_path / "regen0"), target0, n=24)
   (tmp_path / "regen0" / "meta.json").write_text(json.dumps(
@@ -480,6 +530,27 @@ def test_generate_bad_input_is_one_line(case):
   with pytest.raises(fd.FlexDraftError) as e:
     call()
   assert str(e.value) == case["line"]
+
+
+def test_a_prompt_past_the_context_fails_the_call_before_any_batch_decodes(monkeypatch):
+  from flexdraft_jax.decoding import engine
+  decoded = []
+  batch = engine._generate_batch
+  monkeypatch.setattr(engine, "_generate_batch",
+                      lambda *a, **k: decoded.append(1) or batch(*a, **k))
+  target = tiny.tiny_target()
+  prompts = [[3, 4, 5]] * 3 + [[3] * 2100]
+  line = "prompt 3 (2100 tokens) + max_new_tokens=2 exceeds the model's context of 2048"
+  one = fd.RuntimeOptions(batch_size=1)
+  with pytest.raises(fd.FlexDraftError, match=re.escape(line)):
+    fd.generate(target, prompts, max_new_tokens=2, runtime=one)
+  with pytest.raises(fd.FlexDraftError, match=re.escape(line)):  # when called, not iterated
+    fd.generate_stream(target, prompts, max_new_tokens=2, runtime=one)
+  with pytest.raises(fd.FlexDraftError, match=r"^runtime.max_len=64 is too short: prompt 1 "):
+    fd.generate(target, [[3] * 10, [3] * 60], max_new_tokens=2,
+                runtime=fd.RuntimeOptions(batch_size=1, max_len=64))
+  assert decoded == []
+  assert len(fd.generate(target, prompts[:3], max_new_tokens=2, runtime=one).token_ids) == 3
 
 
 def _generate_json(argv, capsys) -> dict:

@@ -427,6 +427,60 @@ def test_regenerate_interrupted_keeps_its_shards_and_resumes(tmp_path, monkeypat
   assert regen_store.read_shards(regen_dir)[:2] == first  # kept, not answered again
 
 
+def test_regenerate_stopped_early_refuses_a_rerun_with_other_settings(tmp_path, monkeypatch,
+                                                                      capsys):
+  # The settings are on disk before the first shard: a run stopped before its end
+  # (before it used to write meta.json) cannot be continued with others.
+  from flexdraft_jax.model import loading
+  monkeypatch.setenv("FLEXDRAFT_DATA", data_fixture.write(str(tmp_path / "data")))
+  regen_dir = str(tmp_path / "regen")
+  argv = ["flexdraft_jax regenerate", f"--config={TINY}",
+          f"--config.data.regen_dir={regen_dir}", "--config.data.max_new_tokens=3",
+          "--config.data.batch_size=2", "--config.data.mix.gsm8k=4",
+          "--config.data.mix.mbpp=0", "--config.data.mix.arena_hard_v01=0"]
+  write = regen_store.write_shard
+
+  def write_then_interrupt(*a, **k):
+    out = write(*a, **k)
+    os.kill(os.getpid(), signal.SIGINT)
+    return out
+
+  with monkeypatch.context() as m, pytest.raises(SystemExit) as e:
+    m.setattr(regen_store, "write_shard", write_then_interrupt)
+    regenerate.run(argv)
+  assert e.value.code == 128 + signal.SIGINT
+  meta_path = os.path.join(regen_dir, "meta.json")
+  assert json.load(open(meta_path))["max_new_tokens"] == 3  # written before the shard
+  before = _tree(regen_dir)
+
+  def no_model(*a, **k):
+    raise AssertionError("the model was loaded before the settings were checked")
+
+  capsys.readouterr()
+  for flag, line in (
+      ("--config.data.max_new_tokens=20", "max_new_tokens=3, not 20"),
+      ("--config.dtype=bfloat16", "dtype='float32', not 'bfloat16'")):
+    with monkeypatch.context() as m, pytest.raises(SystemExit) as e:
+      m.setattr(loading, "load_target", no_model)
+      regenerate.run(argv + [flag])
+    assert e.value.code == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert err.strip().splitlines() == [
+        f"error: {regen_dir} holds answers with {line}; use another "
+        "--config.data.regen_dir"]
+    assert _tree(regen_dir) == before  # nothing written, nothing removed
+
+  # shards without a meta.json (a run of an earlier version, stopped before its
+  # end): what made them is unknown, so nothing is added to them
+  os.remove(meta_path)
+  with pytest.raises(FlexDraftError, match=rf"^{regen_dir} holds 1 shards of answers but no "
+                     r"meta.json saying which target and settings made them; use another "
+                     r"--config.data.regen_dir$"):
+    regenerate.regenerate(tiny.tiny_config(regen_dir))
+  assert not os.path.exists(meta_path)
+
+
 # -------------------------------------------------------------- eval ----
 
 def _eval_argv(workdir, prompts_file, modes):
@@ -478,6 +532,54 @@ def test_eval_interrupted_keeps_its_cells_and_resumes(tmp_path, prompts_file, mo
   assert "1 cells run, 1 already done" in capsys.readouterr().out
 
 
+def test_eval_rerun_with_other_settings_is_refused_even_before_its_first_cell(
+    tmp_path, prompts_file, monkeypatch, capsys):
+  # A bfloat16 rerun into a float32 workdir said "0 cells run, 2 already done"
+  # and reported the float32 cells as its own.
+  from flexdraft_jax import api
+  from flexdraft_jax.evaluation import cells, sweep
+  w = str(tmp_path / "eval")
+  argv = _eval_argv(w, prompts_file, "ar,sequential")
+  results = os.path.join(w, "results.json")
+  run_cell = cells.run_cell
+
+  def term_in_first_cell(*a, **k):
+    os.kill(os.getpid(), signal.SIGTERM)
+    return run_cell(*a, **k)
+
+  with monkeypatch.context() as m, pytest.raises(SystemExit) as e:
+    m.setattr(cells, "run_cell", term_in_first_cell)
+    sweep.run(argv)
+  assert e.value.code == 128 + signal.SIGTERM
+  kept = json.load(open(results))  # the settings are on disk before any cell
+  assert kept["cells"] == {} and kept["meta"]["settings"]["dtype"] == "float32"
+
+  def no_model(*a, **k):
+    raise AssertionError("the model was loaded before the settings were checked")
+
+  def refused(extra, line):
+    before = _tree(w)
+    capsys.readouterr()
+    with monkeypatch.context() as m, pytest.raises(SystemExit) as e:
+      m.setattr(api, "load_target", no_model)
+      sweep.run(argv + extra)
+    assert e.value.code == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert err.strip().splitlines() == [f"error: {w} holds results for {line}; use "
+                                        "another --workdir"]
+    assert _tree(w) == before  # nothing written
+
+  refused(["--config.dtype=bfloat16"], "dtype='float32', not 'bfloat16'")
+  with pytest.raises(SystemExit) as e:  # the same settings resume
+    sweep.run(argv)
+  assert e.value.code in (0, None)
+  assert "eval: 2 cells run, 0 already done" in capsys.readouterr().out
+  refused(["--config.dtype=bfloat16"], "dtype='float32', not 'bfloat16'")
+  refused(["--config.eval.lossless_tol=0.5"], "eval.lossless_tol=1e-05, not 0.5")
+  assert "target in float32" in open(os.path.join(w, "results.md")).read()
+
+
 def test_eval_that_ran_nothing_but_the_baseline_says_so_and_fails(tmp_path, prompts_file,
                                                                  monkeypatch, capsys):
   # A drafter trained only to read the bonus: the sweep leaves its parallel
@@ -509,6 +611,35 @@ def test_eval_that_ran_nothing_but_the_baseline_says_so_and_fails(tmp_path, prom
   assert f"| {key} | parallel mode drafts before the bonus is known" in md
   results = json.load(open(os.path.join(w, "results.json")))
   assert list(results["skipped_cells"]) == [key] and key not in results["cells"]
+
+
+# ---------------------------------------------------- the answers cache ----
+
+def test_answers_cache_answers_other_prompts_of_a_benchmark_anew(tmp_path, monkeypatch):
+  # offline-tau's cache is keyed by benchmark, limit, max_new_tokens and target: a
+  # --data_dir with other gsm8k prompts got the cached answers to the first ones.
+  from flexdraft_jax.training import offline_tau
+  target, cache = tiny.tiny_target(), str(tmp_path / "answers.json")
+  first = data_fixture.write(str(tmp_path / "a"))
+  other = data_fixture.write(str(tmp_path / "b"))
+  test = os.path.join(other, "gsm8k", "test.jsonl")
+  rows = [json.loads(x) for x in open(test)]
+  with open(test, "w") as f:
+    for r in rows:
+      f.write(json.dumps(dict(r, question="Another question: " + r["question"])) + "\n")
+  answered = []
+  generate = fd.generate
+  monkeypatch.setattr(fd, "generate", lambda *a, **k: answered.append(1) or generate(*a, **k))
+
+  def answers(data_dir):
+    return offline_tau.benchmark_answers(target, "gsm8k", data_dir, limit=2,
+                                         max_new_tokens=3, batch_size=2, cache=cache)
+
+  a = answers(first)
+  b = answers(other)
+  assert len(answered) == 2 and a["prompts"] != b["prompts"]
+  assert answers(first) == a and answers(other) == b and len(answered) == 2  # both kept
+  assert len(json.load(open(cache))) == 2
 
 
 # ------------------------------------------------------------ generate ----
@@ -607,6 +738,31 @@ def test_self_instruct_gives_up_on_a_target_that_never_writes_a_question(tmp_pat
   batches = [x for x in cap.out.splitlines() if x.startswith("self-instruct: 0/2 questions")]
   assert len(batches) == si.MAX_BARREN_BATCHES
   assert sorted(os.listdir(tmp_path)) == ["q.jsonl"]  # no q.jsonl.tmp left
+
+
+def test_self_instruct_rerun_with_other_settings_is_one_line_before_the_model_loads(
+    tmp_path, monkeypatch, capsys):
+  from flexdraft_jax.model import loading
+  from flexdraft_jax.training import self_instruct as si
+  out = tmp_path / "q.jsonl"
+  made = si.settings(tiny.tiny_test_config(), tiny.tiny_target())
+  out.write_text(json.dumps({"uid": "self_instruct:0-000000", "source": "self_instruct",
+                             "question": "What is a lemma?", "candidate": 0,
+                             "generation": made}) + "\n")
+  before = out.read_text()
+
+  def no_model(*a, **k):
+    raise AssertionError("the model was loaded before the settings were checked")
+
+  monkeypatch.setattr(loading, "load_target", no_model)
+  with pytest.raises(SystemExit) as e:
+    si.run(["flexdraft_jax self-instruct", f"--config={TINY}", "--num=3", f"--out={out}",
+            "--config.data.self_instruct.temperature=0.25"])
+  assert e.value.code == 1
+  assert capsys.readouterr().err.strip().splitlines() == [
+      f"error: {out} holds questions made with temperature={made['temperature']!r}, not "
+      "0.25; use another --out"]
+  assert out.read_text() == before
 
 
 def test_eval_over_a_results_file_it_did_not_write_leaves_it_as_it_is(tmp_path, prompts_file,

@@ -24,32 +24,57 @@ MIN_CACHE_LEN = 2 * KV_BLOCK
 PROMPT_PAD = 64
 
 
-def cache_length(cfg, plens, max_new, bs, max_len, tree_budget=0):
-  """The KV-cache length: `max_len` (rounded up to KV_BLOCK) or what the
-  request needs. The model's context bounds prompt + new tokens either way; a
-  `max_len` too short for the request is an error, never silently enlarged."""
-  longest = max(plens)
+class PromptDoesNotFit(FlexDraftError):
+  """A prompt the request cannot hold. `index` is its place among the call's
+  prompts; the message names it as `prompt INDEX`, and `named(name)` gives the
+  message naming it otherwise (the command line names a file's line)."""
+
+  def __init__(self, template: str, index: int):
+    self.template, self.index = template, index
+    super().__init__(self.named(f"prompt {index}"))
+
+  def named(self, name: str) -> str:
+    return self.template.replace("{prompt}", name)
+
+
+def check_request(cfg, plens, max_new, bs, max_len, tree_budget=0) -> None:
+  """Every prompt of a call (`plens`: their lengths) against the model's context
+  and `max_len`, before any is decoded: a prompt that does not fit is an error
+  (PromptDoesNotFit, naming it) however many prompts come before it."""
   spare = spare_positions(bs, tree_budget)
+  for i, n in enumerate(plens):
+    if n + max_new > cfg.max_position_embeddings:
+      raise PromptDoesNotFit(
+          f"{{prompt}} ({n} tokens) + max_new_tokens={max_new} exceeds the model's "
+          f"context of {cfg.max_position_embeddings}", i)
+  if max_len is None:
+    return
+  longest = max(plens)
+  i = list(plens).index(longest)  # the cache must hold the longest
+  if longest + 1 > max_len:
+    raise PromptDoesNotFit(f"{{prompt}} has {longest} tokens, longer than the cache "
+                           f"(runtime.max_len={max_len})", i)
   need = longest + max_new + spare
-  if max_len is not None and longest + 1 > max_len:
-    raise FlexDraftError(f"a prompt has {longest} tokens, longer than the cache "
-                         f"(runtime.max_len={max_len})")
-  if longest + max_new > cfg.max_position_embeddings:
-    raise FlexDraftError(
-        f"prompt of {longest} tokens + max_new_tokens={max_new} exceeds the "
-        f"model's context of {cfg.max_position_embeddings}")
-  if max_len is None:  # short requests share one length: one set of programs
-    most = round_up(cfg.max_position_embeddings + spare, KV_BLOCK)
-    return max(round_up(need, KV_BLOCK), min(MIN_CACHE_LEN, most))
   if max_len < need:
-    raise FlexDraftError(
-        f"runtime.max_len={max_len} is too short: a prompt of {longest} tokens + max_new_tokens="
-        f"{max_new} needs {need} (with {spare} spare positions for the decode "
-        "steps); raise it, or leave it unset")
+    raise PromptDoesNotFit(
+        f"runtime.max_len={max_len} is too short: {{prompt}} ({longest} tokens) + "
+        f"max_new_tokens={max_new} needs {need} (with {spare} spare positions for the "
+        "decode steps); raise it, or leave it unset", i)
   most = round_up(cfg.max_position_embeddings + spare, KV_BLOCK)
   if max_len > most:  # positions past the context are never written: memory for nothing
     raise FlexDraftError(
         f"runtime.max_len={max_len} is beyond the model's context of "
         f"{cfg.max_position_embeddings} (a cache of {most} holds every request): "
         "lower it, or leave it unset")
-  return round_up(max_len, KV_BLOCK)
+
+
+def cache_length(cfg, plens, max_new, bs, max_len, tree_budget=0):
+  """The KV-cache length: `max_len` (rounded up to KV_BLOCK) or what the
+  request needs (a request `check_request` has passed: it fits)."""
+  if max_len is not None:
+    return round_up(max_len, KV_BLOCK)
+  spare = spare_positions(bs, tree_budget)
+  need = max(plens) + max_new + spare
+  # short requests share one length: one set of programs
+  most = round_up(cfg.max_position_embeddings + spare, KV_BLOCK)
+  return max(round_up(need, KV_BLOCK), min(MIN_CACHE_LEN, most))

@@ -181,6 +181,11 @@ def _start(target, prompts, *, unknown, drafter, parallel_drafter, mode, max_new
   ids = inputs.encode_prompts(target, prompts, chat)
   stop_ids = inputs.stop_ids(target, stop)
   batch_size = runtime.batch_size or len(ids)  # None: one batch
+  # Every prompt must fit before any batch decodes: a long one late in the list
+  # fails the call now, not after the batches before it (their output lost).
+  capacity.check_request(target.config, [len(x) for x in ids], max_new_tokens,
+                         drafter.config.block_size if drafter is not None else 1,
+                         runtime.max_len, speculation.tree_budget if tree_top else 0)
 
   def run(stream: bool):
     results, stats_list = [None] * len(ids), []

@@ -227,8 +227,11 @@ def write_markdown(results: dict, path: str, plots: list) -> str:
             f"bs={drafter.get('config', {}).get('block_size')}). "
             f"max_new_tokens={st.get('max_new_tokens')}, prompts per dataset: "
             f"{st.get('limit') if (st.get('limit') or 0) > 0 else 'all'} (the first of each "
-            f"file){_batches_note(st)}, seed {st.get('seed')}. Warmed up. "
-            "Speedup = AR time per output token ÷ the mode's (same prompts, batch size "
+            f"file){_batches_note(st)}, seed {st.get('seed')}, "
+            f"target in {st.get('dtype', '(dtype not recorded)')}. "
+            + ("Warmed up. " if st.get("warmup", True) else "No warm-up run (a timed "
+               "run that compiled is timed again). ")
+            + "Speedup = AR time per output token ÷ the mode's (same prompts, batch size "
             "and temperature): decode only, then end to end (prefill included). τ = "
             "emitted tokens per verification.", ""]
   all_rows = rows(results)

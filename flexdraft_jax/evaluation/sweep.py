@@ -3,7 +3,9 @@
 Runs benchmarks × batch sizes × modes × temperatures (+ the ablation cells)
 and writes, in DIR:
 
-  results.json   every finished cell, keyed by its parameters (the resume state)
+  results.json   every finished cell, keyed by its parameters (the resume state),
+                 and what they share (target, drafter, dtype, eval settings, prompts;
+                 written before the first cell: a rerun with others is refused)
   results.csv    one row per cell: τ, tokens/s, speedup over AR, lossless, …
   results.md     speedup / τ tables and the ablation table
   *.png          speedup vs batch size, τ per dataset, accepted-length histograms
@@ -41,9 +43,12 @@ RESULTS_FILE = "results.json"
 FORMAT_VERSION = 1
 SHIPPED_DRAFTER = "flexdraft_jax/drafters/smollm2_135m_L8"
 
-# settings every cell of a workdir shares (a change needs another workdir)
+# Settings every cell of a workdir shares: each changes a cell's tokens, timings
+# or lossless verdict and is not in its key (a change needs another workdir).
+# results.json records them, with `dtype`, before its first cell.
 SHARED_SETTINGS = ("max_new_tokens", "limit", "batches_per_cell", "seed", "strategy",
-                   "flex_threshold", "attn_impl", "block_size", "max_len")
+                   "flex_threshold", "attn_impl", "block_size", "max_len", "warmup",
+                   "max_timing_runs", "lossless_tol")
 
 
 def default_config() -> ml_collections.ConfigDict:
@@ -96,9 +101,7 @@ def load_main_drafter(config, target) -> tuple:
   path = resolve_path(config.drafter)
   if path and os.path.isdir(path):
     drafter = api.load_drafter(path, target)
-    with open(os.path.join(path, "drafter.json"), "rb") as f:
-      digest = hashlib.sha256(f.read()).hexdigest()[:16]
-    return drafter, {"kind": "trained", "path": path, "id": f"trained:{digest}",
+    return drafter, {"kind": "trained", "path": path, "id": trained_id(path),
                      "config": dataclasses.asdict(drafter.config), "note": ""}
   rd = config.random_drafter
   if not rd.allow:
@@ -116,6 +119,12 @@ def load_main_drafter(config, target) -> tuple:
   return Drafter(dcfg, params, target.fingerprint), {
       "kind": "random", "path": path, "config": dataclasses.asdict(dcfg), "note": note,
       "id": f"random:{dcfg.num_layers}:{dcfg.block_size}:{dcfg.calib_rank}:{rd.seed}"}
+
+
+def trained_id(path: str) -> str:
+  """A saved drafter's identity: the digest of its drafter.json."""
+  with open(os.path.join(path, "drafter.json"), "rb") as f:
+    return f"trained:{hashlib.sha256(f.read()).hexdigest()[:16]}"
 
 
 # ------------------------------------------------------------- results ----
@@ -154,22 +163,53 @@ def save_results(workdir: str, results: dict) -> str:
   return path
 
 
-def _check_meta(old: dict, new: dict, workdir: str) -> dict:
-  """Refuses to mix cells of different targets, drafters, settings or prompts."""
+def run_settings(config) -> dict:
+  """The settings results.json records (meta["settings"]): `dtype` and the
+  SHARED_SETTINGS of `config.eval`."""
+  return {"dtype": config.dtype, **{k: config.eval[k] for k in SHARED_SETTINGS}}
+
+
+def _check_settings(old: dict, new: dict, workdir: str) -> None:
+  """Refuses (one line, naming the setting) cells of other settings or prompts:
+  `new` holds "settings" and "prompts", what needs no model."""
   if not old:
-    return new
-  for key in ("target_fingerprint", "drafter_id", "settings"):
-    if old.get(key) != new[key]:
-      raise FlexDraftError(f"{workdir} holds results for {key}={old.get(key)!r}, not "
-                           f"{new[key]!r}; use another --workdir")
+    return
+  recorded = old.get("settings", {})
+  for key, value in new["settings"].items():
+    name = key if key == "dtype" else f"eval.{key}"
+    if key not in recorded:
+      raise FlexDraftError(f"{workdir} holds results that do not record {name} (made "
+                           f"before it was recorded), here {value!r}; use another --workdir")
+    if recorded[key] != value:
+      raise FlexDraftError(f"{workdir} holds results for {name}={recorded[key]!r}, not "
+                           f"{value!r}; use another --workdir")
   for ds, digest in new["prompts"].items():
     if old["prompts"].get(ds, digest) != digest:
       raise FlexDraftError(f"{workdir} holds {ds} results for other prompts; "
                            "use another --workdir")
+
+
+def _check_meta(old: dict, new: dict, workdir: str) -> dict:
+  """Refuses to mix cells of different targets, drafters, settings or prompts;
+  returns the meta to record."""
+  if not old:
+    return new
+  _check_settings(old, new, workdir)
+  for key in ("target_fingerprint", "drafter_id"):
+    if old.get(key) != new[key]:
+      raise FlexDraftError(f"{workdir} holds results for {key}={old.get(key)!r}, not "
+                           f"{new[key]!r}; use another --workdir")
+  layers = old.get("layer_drafters", {})
+  for name, ident in new.get("layer_drafters", {}).items():
+    if layers.get(name, ident) != ident:
+      raise FlexDraftError(f"{workdir} holds results for ablation.layer_drafters.{name}="
+                           f"{layers[name]!r}, not {ident!r} (another drafter); use "
+                           "another --workdir")
   merged = dict(old)
   merged["prompts"] = {**old["prompts"], **new["prompts"]}
   merged["ablation_drafters"] = {**old.get("ablation_drafters", {}),
                                  **new["ablation_drafters"]}
+  merged["layer_drafters"] = {**layers, **new.get("layer_drafters", {})}
   return merged
 
 
@@ -231,7 +271,10 @@ def run_sweep(config, workdir: str, *, prompts: Optional[dict] = None, target=No
   early_prompts = _load_prompts(config, sorted(datasets), prompts)
   workdir = writable_dir(workdir)
   with run_control.folder_lock(workdir, "eval"):
-    load_results(workdir)  # one it cannot resume: one line before the model loads
+    # one it cannot resume, or cells of other settings: one line before the model loads
+    _check_settings(load_results(workdir)["meta"], {
+        "settings": run_settings(config),
+        "prompts": {ds: _prompts_digest(r) for ds, r in early_prompts.items()}}, workdir)
     try:
       return _sweep(config, workdir, early_prompts, target, drafter, progress)
     except KeyboardInterrupt as e:
@@ -277,15 +320,22 @@ def _sweep(config, workdir: str, early_prompts: dict, target, drafter,
   results = load_results(workdir)
   meta = {"target": target.name, "target_fingerprint": target.fingerprint,
           "drafter": info, "drafter_id": info["id"],
-          "settings": {k: config.eval[k] for k in SHARED_SETTINGS},
+          "settings": run_settings(config),
           "prompts": {ds: _prompts_digest(r) for ds, r in prompts_by_ds.items()},
           "ablation_drafters": {k: d.config.num_layers for k, d in extra.items()},
+          "layer_drafters": {name: trained_id(resolve_path(path)) for name, path in
+                             dict(config.ablation.layer_drafters).items()
+                             if name in extra and path},
           "data_dir": config.data_dir}
   results["meta"] = _check_meta(results["meta"], meta, workdir)
   results["ablation"] = [dict(r, cells=[c.key for c in r["cells"]]) for r in abl]
   results["ablation_settings"] = {"datasets": parse_list(config.ablation.datasets),
                                   "batch_sizes": parse_list(config.ablation.batch_sizes, int)}
   results["skipped_cells"] = skipped_cells  # this run's plan: what it left out and why
+  # What the cells will be made with is on disk before the first of them: a sweep
+  # stopped at any point is resumed with the same settings only.
+  with run_control.critical():
+    save_results(workdir, results)
   cells_lib.listen_for_compiles()
 
   ran = skipped = 0

@@ -108,7 +108,11 @@ def check_out(out: str) -> None:
   from flexdraft_jax.model.config import FlexDraftError
   if not out:
     raise FlexDraftError("--out is required (the drafter folder to write)")
-  if not os.path.lexists(out) or (os.path.isdir(out) and not os.listdir(out)):
+  if not os.path.lexists(out):
+    from flexdraft_jax.cli_util import check_can_write
+    check_can_write(out, "--out")  # now, not after the counting
+    return
+  if os.path.isdir(out) and not os.listdir(out):
     return
   what = "a file" if not os.path.isdir(out) else "a folder that holds no drafter"
   try:

@@ -317,6 +317,7 @@ def run(argv):
         raise FlexDraftError(f"--fit_out {FLAGS.fit_out} exists: offline-accept writes a "
                              "new drafter directory and replaces nothing; pass another "
                              "--fit_out")
+      cli_util.check_can_write(FLAGS.fit_out, "--fit_out")  # now, not after the fit
     import flexdraft_jax as fd
     from flexdraft_jax.evaluation import plan
     # Which answers each temperature is scored on: the greedy ones, or (with

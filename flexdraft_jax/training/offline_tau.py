@@ -24,6 +24,7 @@ by calibration and the n-gram prior only).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 
@@ -36,19 +37,24 @@ def benchmark_answers(target, name: str, data_dir: str, *, limit: int,
   """{"prompts": [...], "answers": [...]} token ids of the target's greedy answers
   (`temperature` > 0: answers sampled at that temperature, seed 0) to the first
   `limit` prompts of benchmark `name`, from the JSON file `cache` or answered
-  now (and added to it)."""
+  now (and added to it). The cache is keyed by these settings and the target;
+  a benchmark whose prompts differ from the cached ones is answered anew."""
   import flexdraft_jax as fd
   from flexdraft_jax.evaluation import benchmarks
   key = f"{name}/{limit}/{max_new_tokens}/{target.fingerprint}"
   if temperature > 0:
     key += f"/T={temperature:g}"
-  cached = read_answers(cache)
-  if key in cached:
-    return cached[key]
   kw = benchmarks.chat_kwargs(target)
   rows = benchmarks.load_benchmark(name, data_dir, limit)
   prompts = [benchmarks.render(target.tokenizer, benchmarks.messages_for_turn(r, []), kw)
              for r in rows]
+  cached = read_answers(cache)
+  if key in cached and cached[key]["prompts"] != prompts:
+    # the same benchmark name, other prompts (another --data_dir, an edited file):
+    # their answers are kept apart, under the digest of the prompts
+    key += "/prompts=" + hashlib.sha256(json.dumps(prompts).encode()).hexdigest()[:16]
+  if key in cached:
+    return cached[key]
   how = f"sampled at T = {temperature:g}" if temperature > 0 else "greedy"
   print(f"{name}: answering {len(prompts)} prompts (AR, {how}, batch {batch_size})",
         flush=True)
@@ -195,8 +201,10 @@ def prepare(FLAGS, command: str, temperatures=(0.0,)):
     if not os.path.isdir(plan.resolve_path(path)):
       raise FlexDraftError(f"--drafters: no drafter at {path} (not a directory)")
     checkpoint.read_meta(plan.resolve_path(path))  # unreadable: one line
+  from flexdraft_jax.cli_util import check_can_write
   answers = FLAGS.answers or os.path.join(runs_root(), "offline_tau", "answers.json")
   read_answers(answers)
+  check_can_write(answers, "--answers")  # now, not after answering the benchmarks
   print(f"{command}: the target's answers are cached in {os.path.abspath(answers)} "
         "(--answers)", flush=True)
   import flexdraft_jax as fd

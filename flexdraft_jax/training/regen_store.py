@@ -154,6 +154,11 @@ def unpack_regen(path: str, regen_dir: str) -> int:
       raise FlexDraftError(f"{regen_dir} holds answers of target "
                            f"{old.get('target_fingerprint')}, {path} of "
                            f"{meta.get('target_fingerprint')}")
+    differ = settings_differ(old, meta)
+    if differ:
+      key, here, there = differ
+      raise FlexDraftError(f"{regen_dir} holds answers with {key}={here!r}, {path} "
+                           f"with {key}={there!r}: they do not mix in one folder")
   else:
     os.makedirs(regen_dir, exist_ok=True)
     with open(meta_path, "w") as f:
@@ -176,8 +181,20 @@ def unpack_regen(path: str, regen_dir: str) -> int:
   return len(out)
 
 
-# What answers in one regen dir must share: the target and how it answered.
-REGEN_SETTINGS = ("target_fingerprint", "max_new_tokens", "chat_kwargs")
+# What answers in one regen dir must share: the target and how it answered
+# (its compute dtype too: bfloat16 and float32 greedy answers part at near ties).
+REGEN_SETTINGS = ("target_fingerprint", "max_new_tokens", "chat_kwargs", "dtype")
+
+
+def settings_differ(old: dict, new: dict):
+  """(setting, old value, new value) for the first of REGEN_SETTINGS that the
+  metas `old` and `new` both record with different values; None when they
+  agree. A setting one of them does not record (data regenerated before it
+  was) is not compared."""
+  for key in REGEN_SETTINGS:
+    if key in old and key in new and old[key] != new[key]:
+      return key, old[key], new[key]
+  return None
 
 
 def check_made_by(regen_dir: str, target) -> None:
@@ -209,10 +226,10 @@ def merge_regen(dst_dir: str, src_dir: str) -> int:
       raise FlexDraftError(f"no regenerated answers in {d} (no meta.json)")
     with open(path) as f:
       metas.append(json.load(f))
-  for key in REGEN_SETTINGS:
-    if metas[0].get(key) != metas[1].get(key):
-      raise FlexDraftError(f"cannot merge {src_dir} into {dst_dir}: {key} "
-                           f"{metas[1].get(key)!r} vs {metas[0].get(key)!r}")
+  differ = settings_differ(metas[0], metas[1])
+  if differ:
+    key, dst, src = differ
+    raise FlexDraftError(f"cannot merge {src_dir} into {dst_dir}: {key} {src!r} vs {dst!r}")
   done = {r["uid"] for r in read_shards(dst_dir)}
   new = [r for r in read_shards(src_dir) if r["uid"] not in done]
   new = list({r["uid"]: r for r in new}.values())

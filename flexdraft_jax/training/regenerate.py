@@ -5,7 +5,8 @@ Resumable: each batch of answered prompts is written as a shard as soon as it
 is done and prompts already in a shard are skipped; the tfds dataset
 (array_record) is rebuilt from all shards at the end. REGEN_DIR gets:
 
-  meta.json   target name + fingerprint, generation settings, throughput
+  meta.json   target name + fingerprint, generation settings (written before the
+              first answer: a rerun with other settings is refused), throughput
   shards/     shard-NNNNN.jsonl: {uid, source, prompt_ids, answer_ids}
   tfds/       flexdraft_regen/1.0.0/… (read with regen_store.load_records)
 """
@@ -37,18 +38,41 @@ def prompt_ids(tokenizer, text: str, chat_kwargs: dict) -> list:
   return [int(t) for t in ids]
 
 
-def _check_meta(regen_dir: str, meta: dict) -> None:
-  """Refuses to mix answers of different targets or settings in one dir."""
+def _settings(config) -> dict:
+  """What the answers depend on that the config says (checked before the model
+  loads); the target's fingerprint joins them once it is loaded."""
+  dc = config.data
+  return {"max_new_tokens": dc.max_new_tokens, "chat_kwargs": dict(dc.chat_kwargs),
+          "dtype": str(config.dtype)}
+
+
+def _read_meta(regen_dir: str) -> dict:
   path = os.path.join(regen_dir, "meta.json")
   if not os.path.exists(path):
-    return
+    return {}
   with open(path) as f:
-    old = json.load(f)
-  for key in regen_store.REGEN_SETTINGS:
-    if old.get(key) != meta[key]:
+    return json.load(f)
+
+
+def _check_meta(regen_dir: str, settings: dict) -> dict:
+  """Refuses to mix answers of different targets or settings in one dir (the
+  settings recorded in its meta.json, which is written before the first
+  answer); returns that meta ({} where there is none)."""
+  old = _read_meta(regen_dir)
+  if not old:
+    shards = glob.glob(os.path.join(regen_store.shard_dir(regen_dir), "shard-*.jsonl"))
+    if shards:  # an earlier version's run, stopped before it wrote meta.json
       raise FlexDraftError(
-          f"{regen_dir} holds answers with {key}={old.get(key)!r}, not "
-          f"{meta[key]!r}; use another --config.data.regen_dir")
+          f"{regen_dir} holds {len(shards)} shards of answers but no meta.json saying "
+          "which target and settings made them; use another --config.data.regen_dir")
+    return old
+  differ = regen_store.settings_differ(old, settings)
+  if differ:
+    key, was, now = differ
+    raise FlexDraftError(
+        f"{regen_dir} holds answers with {key}={was!r}, not {now!r}; use another "
+        "--config.data.regen_dir")
+  return old
 
 
 def _write_meta(regen_dir: str, meta: dict) -> None:
@@ -90,13 +114,19 @@ def _regenerate(config, regen_dir: str, limit: int, max_minutes: float, run: dic
   dc = config.data
   print(f"regenerate: writing to {regen_dir} (--config.data.regen_dir, default "
         "$FLEXDRAFT_RUNS/regen/NAME, else <repo>/../runs/regen/NAME)", flush=True)
+  settings = _settings(config)
+  _check_meta(regen_dir, settings)  # other settings: one line before the model load
   prompts = prompt_mix.load_prompts(dc)  # missing prompt files: one line before the model load
   target = loading.load_target(config.target, config.dtype)
-  chat_kwargs = dict(dc.chat_kwargs)
-  meta = {"target": target.name, "target_fingerprint": target.fingerprint,
-          "max_new_tokens": dc.max_new_tokens, "chat_kwargs": chat_kwargs,
+  chat_kwargs = settings["chat_kwargs"]
+  meta = {"target": target.name, "target_fingerprint": target.fingerprint, **settings,
           "max_prompt_tokens": dc.max_prompt_tokens, "greedy": True}
-  _check_meta(regen_dir, meta)
+  old = _check_meta(regen_dir, meta)
+  # The settings are on disk before the first answer: a run stopped at any point
+  # leaves them beside its shards, and a rerun with others is refused.
+  meta = {**old, **meta}
+  with run_control.critical():
+    _write_meta(regen_dir, meta)
   regen_store.use_packed(dc)
 
   done = {r["uid"] for r in regen_store.read_shards(regen_dir)}

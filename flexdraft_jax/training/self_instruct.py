@@ -174,14 +174,35 @@ def _batch_seed(seed: int, batch: int) -> int:
   return stable_int(f"{SOURCE}:{seed}:{batch}") & 0x7FFFFFFF
 
 
-def settings(config, target) -> dict:
-  """The generation settings a file's questions were made with."""
+def settings(config, target=None) -> dict:
+  """The generation settings a file's questions were made with (without
+  `target`: those the config says, checked before the model loads)."""
   sc = config.data.self_instruct
-  return {"target": target.name, "target_fingerprint": target.fingerprint,
-          "seed": int(sc.seed), "temperature": float(sc.temperature),
+  made_by = ({"target": target.name, "target_fingerprint": target.fingerprint}
+             if target is not None else {})
+  return {**made_by, "seed": int(sc.seed), "temperature": float(sc.temperature),
           "top_p": float(sc.top_p), "max_new_tokens": int(sc.max_new_tokens),
           "batch_size": int(sc.batch_size), "chat_kwargs": dict(config.data.chat_kwargs),
-          "mt_bench_filter": bool(sc.mt_bench and os.path.isfile(sc.mt_bench))}
+          "mt_bench_filter": bool(sc.mt_bench and os.path.isfile(sc.mt_bench)),
+          "dtype": str(config.dtype)}
+
+
+# Settings files made before they were recorded lack: not compared there.
+RECORDED_LATER = ("dtype",)
+
+
+def check_settings(out: str, rows: list, gen: dict) -> None:
+  """Refuses (one line naming the setting) to extend `rows`, the questions in
+  `out`, with questions of other settings `gen`."""
+  if not rows:
+    return
+  made = rows[0].get("generation") or {}
+  for key, value in gen.items():
+    if key in RECORDED_LATER and key not in made:
+      continue
+    if made.get(key) != value:
+      raise FlexDraftError(f"{out} holds questions made with {key}={made.get(key)!r}, not "
+                           f"{value!r}; use another --out")
 
 
 def make_questions(target, num: int, gen: dict, *, avoid=(), rows=(), chat_kwargs=None,
@@ -289,12 +310,11 @@ def self_instruct(config, num: int, out: str = "") -> dict:
   out = out or config.data.paths[SOURCE]
   sc = config.data.self_instruct
   avoid = read_avoid(sc.mt_bench)
+  rows = read_questions(out)
+  check_settings(out, rows, settings(config))  # other settings: one line before the load
   target = loading.load_target(config.target, config.dtype)
   gen = settings(config, target)
-  rows = read_questions(out)
-  if rows and rows[0].get("generation") != gen:
-    raise FlexDraftError(f"{out} holds questions made with other settings "
-                         f"({rows[0].get('generation')}); use another --out")
+  check_settings(out, rows, gen)
   if len(rows) >= num:
     print(f"self-instruct: {out} holds {len(rows)} questions already (>= --num={num})",
           flush=True)
