@@ -378,6 +378,22 @@ CASES = [
         "`DIR.tmp`)", ["self-instruct", f"--config={TINY}", "--num=2", "--out={d}/notok"],
         "error: --out {d}/notok is a directory: pass the path of the question file (JSON "
         "lines), e.g. {d}/notok/questions.jsonl"),
+    # ------------------------------- tiny temperatures, empty lists, bundles ----
+    cli("generate", "`--temperature 1e-39` (a float32 subnormal: every mode decoded ids 0, "
+        "1, 2)", ["generate", *GEN, "--temperature", "1e-39"],
+        "error: --temperature must be 0 (greedy) or >= 1e-06, got 1e-39"),
+    api("`sampling=SamplingParams(temperature=1e-39)` (decoded ids 0, 1, 2)",
+        dict(sampling=lambda t: fd.SamplingParams(temperature=1e-39)),
+        "temperature must be 0 (greedy) or >= 1e-06, got 1e-39"),
+    api("`sampling=SamplingParams(temperature=1e-9)` (sampled drafts: a NaN softmax, ids 0)",
+        dict(sampling=lambda t: fd.SamplingParams(temperature=1e-9)),
+        "temperature must be 0 (greedy) or >= 1e-06, got 1e-09"),
+    cli("eval", "`--config.eval.temperatures=1e-39`",
+        ["eval", f"--config={EVAL}", "--config.eval.temperatures=1e-39", "--workdir", "{d}/e"],
+        "error: --config.eval.temperatures: each must be 0 (greedy) or >= 1e-06, got 1e-39"),
+    cli("offline-accept", "`--temperatures=0,1e-39` (failed after the model loaded)",
+        ["offline-accept", "--temperatures=0,1e-39"],
+        "error: --temperatures: each must be 0 (greedy) or >= 1e-06, got 1e-39"),
 ]
 
 
@@ -519,6 +535,25 @@ def test_no_effect_options_used_as_meant_are_silent():
     warnings.simplefilter("error", fd.FlexDraftWarning)
     fd.generate(target, [[3, 4, 5]], max_new_tokens=2,
                 sampling=fd.SamplingParams(temperature=1.0, draft_sampling=True))
+
+
+def test_the_smallest_temperature_decodes_the_argmax_in_every_mode(monkeypatch):
+  # At the bound logits / T is still finite: sampling is the argmax (greedy's
+  # ids), where 1e-39 decoded ids 0, 1, 2 in every mode.
+  from flexdraft_jax.decoding.options import MODES
+  from flexdraft_jax.decoding.sampling import MIN_TEMPERATURE
+  monkeypatch.setenv("FLEXDRAFT_COST_CACHE", "")
+  target = tiny.tiny_target()
+  drafter = _bonus_drafter(target)
+  for mode in MODES:
+    kw = dict(mode=mode, drafter=None if mode == "ar" else drafter, max_new_tokens=6,
+              speculation=fd.SpecOptions(flex_threshold=2) if mode == "flex" else None)
+    kw = {k: v for k, v in kw.items() if v is not None}
+    greedy = fd.generate(target, [[3, 4, 5]], **kw).token_ids
+    coldest = fd.generate(target, [[3, 4, 5]], seed=7, **kw,
+                          sampling=fd.SamplingParams(temperature=MIN_TEMPERATURE)).token_ids
+    assert coldest == greedy, mode
+    assert greedy[0][:3] != [0, 1, 2], mode  # what the flushed temperature gave
 
 
 @pytest.mark.parametrize("command, flags", [
