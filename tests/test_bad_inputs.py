@@ -33,8 +33,9 @@ class Case(dict):
   """surface, bad (what is wrong), argv (a CLI command) or call (Python), line."""
 
 
-def cli(surface, bad, argv, line, model=False):
-  return Case(surface=surface, bad=bad, argv=argv, line=line, model=model)
+def cli(surface, bad, argv, line, model=False, env=None):
+  """`env`: environment variables the command runs with (`bad` names them)."""
+  return Case(surface=surface, bad=bad, argv=argv, line=line, model=model, env=env or {})
 
 
 def api(bad, call, line, warning=False, surface="generate()"):
@@ -394,6 +395,10 @@ CASES = [
     cli("offline-accept", "`--temperatures=0,1e-39` (failed after the model loaded)",
         ["offline-accept", "--temperatures=0,1e-39"],
         "error: --temperatures: each must be 0 (greedy) or >= 1e-06, got 1e-39"),
+    cli("generate", "`XDG_CACHE_HOME='~/.cache'` (relative: wrote `./~/.cache` under the "
+        "current folder)", ["generate", *GEN], "warning: $XDG_CACHE_HOME='~/.cache' is not an "
+        "absolute path, which the XDG base directory spec says to ignore: caches go to "
+        "~/.cache instead", model=True, env={"XDG_CACHE_HOME": "~/.cache"}),
 ]
 
 
@@ -459,6 +464,8 @@ def test_cli_bad_input_prints_one_line(case, bad_files, monkeypatch, capsys,
                                        absl_flags_restored):
   d, ro = bad_files
   monkeypatch.setenv("FLEXDRAFT_COST_CACHE", "")
+  for name, value in case["env"].items():
+    monkeypatch.setenv(name, _fill(value, d, ro))
   if not case["model"]:
     _no_model(monkeypatch)
   argv = [_fill(a, d, ro) for a in case["argv"]]
@@ -554,6 +561,33 @@ def test_the_smallest_temperature_decodes_the_argmax_in_every_mode(monkeypatch):
                           sampling=fd.SamplingParams(temperature=MIN_TEMPERATURE)).token_ids
     assert coldest == greedy, mode
     assert greedy[0][:3] != [0, 1, 2], mode  # what the flushed temperature gave
+
+
+def test_a_relative_xdg_cache_home_is_ignored_with_one_warning(tmp_path, monkeypatch, capsys):
+  import gguf  # noqa: F401  (index_path reads its version)
+
+  from flexdraft_jax import compile_cache, paths
+  from flexdraft_jax.decoding import step_costs
+  from flexdraft_jax.kernels import cpu_matmul
+  from flexdraft_jax.model import gguf_loader
+  monkeypatch.setattr(paths, "_RELATIVE_WARNED", set())
+  for name in ("FLEXDRAFT_COST_CACHE", "FLEXDRAFT_KERNEL_CACHE", gguf_loader.INDEX_ENV):
+    monkeypatch.delenv(name, raising=False)
+  monkeypatch.chdir(tmp_path)
+  (tmp_path / "m.gguf").write_bytes(b"GGUF")
+  home_cache = os.path.join(os.path.expanduser("~"), ".cache", "flexdraft_jax")
+  for relative in ("~/.cache", "cache"):
+    monkeypatch.setenv("XDG_CACHE_HOME", relative)
+    where = [compile_cache.default_root(), step_costs.cost_cache_path("default"),
+             cpu_matmul.cache_dir(), gguf_loader.index_path("m.gguf")]
+    assert all(w.startswith(home_cache + os.sep) for w in where), where
+    assert capsys.readouterr().err.splitlines() == [  # once for the four
+        f"warning: $XDG_CACHE_HOME={relative!r} is not an absolute path, which the XDG "
+        "base directory spec says to ignore: caches go to ~/.cache instead"]
+  monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))  # an absolute one is used
+  assert compile_cache.default_root() == str(tmp_path / "xdg" / "flexdraft_jax" / "xla")
+  assert capsys.readouterr().err == ""
+  assert sorted(os.listdir(tmp_path)) == ["m.gguf"]  # nothing made under the folder
 
 
 @pytest.mark.parametrize("command, flags", [

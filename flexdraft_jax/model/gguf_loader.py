@@ -8,7 +8,7 @@ Reading a GGUF header parses every metadata field element by element — for
 SmolLM2 its 49,152-token vocabulary and 48,900 merges, seconds of a command's
 start. The first load keeps an index of the file (its metadata, and each
 tensor's type, offset and shape) in `$FLEXDRAFT_GGUF_INDEX` (a folder; `off`:
-none), else `$XDG_CACHE_HOME/flexdraft_jax/gguf_index` (`~/.cache` without it);
+none), else `$XDG_CACHE_HOME/flexdraft_jax/gguf_index` (`paths.cache_root`);
 later loads read the index and map the tensors where it says. The index is
 keyed by the file's real path, size and modification time, gguf's version and
 INDEX_VERSION: a changed file is read afresh.
@@ -25,6 +25,7 @@ from typing import NamedTuple, Optional
 
 import numpy as np
 
+from flexdraft_jax import paths
 from flexdraft_jax.model import weights
 from flexdraft_jax.model.config import FlexDraftError, ModelConfig, rope_scaling_tuple
 from flexdraft_jax.model.tokenizer import Tokenizer
@@ -75,9 +76,7 @@ def index_path(path: str) -> Optional[str]:
   setting = os.environ.get(INDEX_ENV)
   if setting is not None and setting.strip().lower() in INDEX_OFF + ("",):
     return None
-  root = setting or os.path.join(
-      os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"),
-      "flexdraft_jax", "gguf_index")
+  root = setting or os.path.join(paths.cache_root(), "flexdraft_jax", "gguf_index")
   st = os.stat(path)
   version = getattr(gguf, "__version__", None) or _gguf_version()
   key = hashlib.sha256(f"{INDEX_VERSION}|{version}|{os.path.realpath(path)}|"
