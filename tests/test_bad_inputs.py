@@ -399,6 +399,17 @@ CASES = [
         "current folder)", ["generate", *GEN], "warning: $XDG_CACHE_HOME='~/.cache' is not an "
         "absolute path, which the XDG base directory spec says to ignore: caches go to "
         "~/.cache instead", model=True, env={"XDG_CACHE_HOME": "~/.cache"}),
+    cli("offline-tau", "`--datasets=` (printed an empty table and exited 0)",
+        ["offline-tau", "--datasets="],
+        "error: --datasets is empty: name at least one benchmark (e.g. "
+        "--datasets=gsm8k,humaneval,mbpp)"),
+    cli("offline-tau", "`--datasets=gsm8k,nope` (failed after the target loaded)",
+        ["offline-tau", "--datasets=gsm8k,nope"],
+        "error: --datasets: unknown benchmark 'nope' (known: gsm8k, math500, humaneval, "
+        "mbpp, mt_bench)"),
+    cli("offline-accept", "`--datasets=`", ["offline-accept", "--datasets="],
+        "error: --datasets is empty: name at least one benchmark (e.g. "
+        "--datasets=gsm8k,humaneval,mbpp)"),
 ]
 
 
