@@ -9,6 +9,7 @@ docs show it as `DIR`. test_docs_table_is_this_table keeps the two in step.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import json
 import os
 import re
@@ -27,6 +28,7 @@ DOC = os.path.join(REPO, "docs", "bad_inputs.md")
 TINY = "configs/tiny_test.py"
 EVAL = "configs/eval_smollm2.py"
 GEN = ["--model", "random:tiny", "--prompt", "hi", "--max-new-tokens", "2"]
+OFFLINE = "launch/offline.py"  # a script (stdlib only), not a command of the package
 
 
 class Case(dict):
@@ -410,6 +412,31 @@ CASES = [
     cli("offline-accept", "`--datasets=`", ["offline-accept", "--datasets="],
         "error: --datasets is empty: name at least one benchmark (e.g. "
         "--datasets=gsm8k,humaneval,mbpp)"),
+    cli("launch/offline.py", "`pack` into a folder of other files (deleted its `drafter/`)",
+        [OFFLINE, "pack", "{d}/notok", "--python-version", "3.12"],
+        "error: {d}/notok holds files pack did not write (no manifest.json of a bundle): "
+        "pack writes a new folder or replaces one it wrote; pass another folder"),
+    cli("launch/offline.py", "`pack --drafter nope` (found after every wheel was downloaded)",
+        [OFFLINE, "pack", "{d}/bundle", "--python-version", "3.12", "--drafter", "{d}/nope"],
+        "error: --drafter: no drafter at {d}/nope (not a directory)"),
+    cli("launch/offline.py", "`pack --drafter` a folder without `drafter.json`",
+        [OFFLINE, "pack", "{d}/bundle", "--python-version", "3.12", "--drafter", "{d}/notok"],
+        "error: --drafter: {d}/notok holds no drafter (no drafter.json)"),
+    cli("launch/offline.py", "`install` a folder without `manifest.json` (a traceback)",
+        [OFFLINE, "install", "{d}/notok"],
+        "error: {d}/notok has no manifest.json: it is not a bundle pack wrote, or was copied "
+        "without it; copy the bundle again"),
+    cli("launch/offline.py", "`install` a bundle missing a wheel it lists (a traceback)",
+        [OFFLINE, "install", "{d}/nowheel"],
+        "error: {d}/nowheel/wheels/x-1-py3-none-any.whl is missing (listed in "
+        "{d}/nowheel/manifest.json): copy the bundle again"),
+    cli("launch/offline.py", "`install` from a cut part (a traceback, and a large "
+        "`DIR.tar.joined` left)", [OFFLINE, "install", "{d}/cut.tar"],
+        "error: {d}/cut.tar.part000 is cut or damaged: 10 bytes, where pack wrote 20: copy "
+        "it again"),
+    cli("launch/offline.py", "`install` from parts with one missing (joined without it)",
+        [OFFLINE, "install", "{d}/gap.tar"],
+        "error: {d}/gap.tar.part001 is missing (part 002 is here): copy it again"),
 ]
 
 
@@ -439,6 +466,14 @@ def bad_files(tmp_path_factory):
   (tmp_path / "eval_prompts.json").write_text(json.dumps({"gsm8k": ["What is 2+3?"]}))
   (tmp_path / "listresults").mkdir()  # an eval workdir whose results.json is not its own
   (tmp_path / "listresults" / "results.json").write_text("[1, 2, 3]")
+  (tmp_path / "nowheel").mkdir()  # an offline bundle whose wheel was not copied
+  (tmp_path / "nowheel" / "manifest.json").write_text(json.dumps(
+      {"requirements": {}, "wheels": {"x-1-py3-none-any.whl": "0" * 64}}))
+  (tmp_path / "cut.tar.part000").write_bytes(b"x" * 10)  # its list says 20 bytes
+  (tmp_path / "cut.tar.parts.json").write_text(json.dumps(
+      {"bundle": "cut", "parts": [{"name": "cut.tar.part000", "bytes": 20, "sha256": ""}]}))
+  for i in (0, 2):  # parts without their list, part001 missing
+    (tmp_path / f"gap.tar.part{i:03d}").write_bytes(b"x" * 10)
   target0 = tiny.tiny_target()  # random:tiny:0's answers, with their meta.json
   tiny.write_fake_regen(str(tmp_path / "regen0"), target0, n=24)
   (tmp_path / "regen0" / "meta.json").write_text(json.dumps(
@@ -466,6 +501,16 @@ def _no_model(monkeypatch):
   monkeypatch.setattr(random_target, "load", fail)
 
 
+def _offline_script(monkeypatch):
+  """launch/offline.py as a module; pip running fails the test (the checks come first)."""
+  spec = importlib.util.spec_from_file_location("offline", os.path.join(REPO, OFFLINE))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  monkeypatch.setattr(module, "_pip", lambda *a, **k: pytest.fail(
+      f"pip ran before the input was checked: {a}"))
+  return module
+
+
 def _fill(x, d, ro):
   return x.replace("{d}", d).replace("{ro}", ro)
 
@@ -483,9 +528,13 @@ def test_cli_bad_input_prints_one_line(case, bad_files, monkeypatch, capsys,
   line = _fill(case["line"], d, ro)
   if "{ro}" in case["argv"][-1] and os.access(ro, os.W_OK):
     pytest.skip("running as root: a read-only directory is writable")
-  module = importlib.import_module(COMMANDS[argv[0]])
+  if argv[0] == OFFLINE:
+    command = lambda: _offline_script(monkeypatch).main(argv[1:])
+  else:
+    command = lambda: importlib.import_module(COMMANDS[argv[0]]).run(
+        [f"flexdraft_jax {argv[0]}"] + argv[1:])
   with pytest.raises(SystemExit) as e:
-    module.run([f"flexdraft_jax {argv[0]}"] + argv[1:])
+    command()
   err = capsys.readouterr().err
   assert "Traceback" not in err
   if line.startswith("warning:"):
