@@ -63,7 +63,7 @@ FLAGS = (  # (absl DEFINE_*, name as generate() spells it, default, help[, enum 
     ("string", "prompts_file", None,
      f"JSONL: strings or objects with one of {PROMPT_KEYS}"),
     ("integer", "max_new_tokens", 128, "tokens to generate per prompt"),
-    ("float", "temperature", 0.0, "sampling temperature (0: greedy)"),
+    ("float", "temperature", 0.0, "sampling temperature (0: greedy; else >= 1e-6)"),
     ("integer", "top_k", None, "sample from the k most likely tokens"),
     ("float", "top_p", None, "sample from the smallest set with this much mass"),
     ("integer", "seed", 0, "the sampling seed"),

@@ -2,10 +2,11 @@
 the decode programs the first one compiled instead of compiling them again.
 
 Where: `$FLEXDRAFT_COMPILE_CACHE` (a folder; `off` turns the cache off), else
-`$XDG_CACHE_HOME/flexdraft_jax/xla` (`~/.cache` without it); every command's
-`--compile_cache` flag and `use_compile_cache()` set it for the process. A
-folder JAX was already given (`jax_compilation_cache_dir`, e.g. by its own
-`JAX_COMPILATION_CACHE_DIR`) is kept as it is unless one of ours is explicit.
+`$XDG_CACHE_HOME/flexdraft_jax/xla` (`~/.cache` without it or where it is a
+relative path: `paths.cache_root`); every command's `--compile_cache` flag and
+`use_compile_cache()` set it for the process. A folder JAX was already given
+(`jax_compilation_cache_dir`, e.g. by its own `JAX_COMPILATION_CACHE_DIR`) is
+kept as it is unless one of ours is explicit.
 
 Programs are kept in a subfolder per `version_key()`. JAX's own key hashes the
 program, jaxlib's version, the backend's platform and version, the devices'
@@ -25,6 +26,8 @@ import os
 import platform
 import threading
 
+from flexdraft_jax import paths
+
 ENV = "FLEXDRAFT_COMPILE_CACHE"
 OFF = ("off", "0", "none", "false")
 # Every program is written, however fast it compiled (JAX's default skips those
@@ -41,9 +44,7 @@ _state = {"folder": None, "explicit": False, "done": False}
 
 
 def default_root() -> str:
-  root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"),
-                                                           ".cache")
-  return os.path.join(root, "flexdraft_jax", "xla")
+  return os.path.join(paths.cache_root(), "flexdraft_jax", "xla")
 
 
 def _cpu_flags() -> str:

@@ -9,6 +9,7 @@ docs show it as `DIR`. test_docs_table_is_this_table keeps the two in step.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import json
 import os
 import re
@@ -27,14 +28,16 @@ DOC = os.path.join(REPO, "docs", "bad_inputs.md")
 TINY = "configs/tiny_test.py"
 EVAL = "configs/eval_smollm2.py"
 GEN = ["--model", "random:tiny", "--prompt", "hi", "--max-new-tokens", "2"]
+OFFLINE = "launch/offline.py"  # a script (stdlib only), not a command of the package
 
 
 class Case(dict):
   """surface, bad (what is wrong), argv (a CLI command) or call (Python), line."""
 
 
-def cli(surface, bad, argv, line, model=False):
-  return Case(surface=surface, bad=bad, argv=argv, line=line, model=model)
+def cli(surface, bad, argv, line, model=False, env=None):
+  """`env`: environment variables the command runs with (`bad` names them)."""
+  return Case(surface=surface, bad=bad, argv=argv, line=line, model=model, env=env or {})
 
 
 def api(bad, call, line, warning=False, surface="generate()"):
@@ -418,6 +421,62 @@ CASES = [
     cli("add-ngram", "`--out` under a file (counted the n-grams, then failed to write)",
         ["add-ngram", f"--config={TINY}", "--out={d}/afile/ngram"],
         "error: --out {d}/afile/ngram: a file is in the way ({d}/afile is not a directory)"),
+    # ------------------------------- tiny temperatures, empty lists, bundles ----
+    cli("generate", "`--temperature 1e-39` (a float32 subnormal: every mode decoded ids 0, "
+        "1, 2)", ["generate", *GEN, "--temperature", "1e-39"],
+        "error: --temperature must be 0 (greedy) or >= 1e-06, got 1e-39"),
+    api("`sampling=SamplingParams(temperature=1e-39)` (decoded ids 0, 1, 2)",
+        dict(sampling=lambda t: fd.SamplingParams(temperature=1e-39)),
+        "temperature must be 0 (greedy) or >= 1e-06, got 1e-39"),
+    api("`sampling=SamplingParams(temperature=1e-9)` (sampled drafts: a NaN softmax, ids 0)",
+        dict(sampling=lambda t: fd.SamplingParams(temperature=1e-9)),
+        "temperature must be 0 (greedy) or >= 1e-06, got 1e-09"),
+    cli("eval", "`--config.eval.temperatures=1e-39`",
+        ["eval", f"--config={EVAL}", "--config.eval.temperatures=1e-39", "--workdir", "{d}/e"],
+        "error: --config.eval.temperatures: each must be 0 (greedy) or >= 1e-06, got 1e-39"),
+    cli("offline-accept", "`--temperatures=0,1e-39` (failed after the model loaded)",
+        ["offline-accept", "--temperatures=0,1e-39"],
+        "error: --temperatures: each must be 0 (greedy) or >= 1e-06, got 1e-39"),
+    cli("generate", "`XDG_CACHE_HOME='~/.cache'` (relative: wrote `./~/.cache` under the "
+        "current folder)", ["generate", *GEN], "warning: $XDG_CACHE_HOME='~/.cache' is not an "
+        "absolute path, which the XDG base directory spec says to ignore: caches go to "
+        "~/.cache instead", model=True, env={"XDG_CACHE_HOME": "~/.cache"}),
+    cli("offline-tau", "`--datasets=` (printed an empty table and exited 0)",
+        ["offline-tau", "--datasets="],
+        "error: --datasets is empty: name at least one benchmark (e.g. "
+        "--datasets=gsm8k,humaneval,mbpp)"),
+    cli("offline-tau", "`--datasets=gsm8k,nope` (failed after the target loaded)",
+        ["offline-tau", "--datasets=gsm8k,nope"],
+        "error: --datasets: unknown benchmark 'nope' (known: gsm8k, math500, humaneval, "
+        "mbpp, mt_bench)"),
+    cli("offline-accept", "`--datasets=`", ["offline-accept", "--datasets="],
+        "error: --datasets is empty: name at least one benchmark (e.g. "
+        "--datasets=gsm8k,humaneval,mbpp)"),
+    cli("launch/offline.py", "`pack` into a folder of other files (deleted its `drafter/`)",
+        [OFFLINE, "pack", "{d}/notok", "--python-version", "3.12"],
+        "error: {d}/notok holds files pack did not write (no manifest.json of a bundle): "
+        "pack writes a new folder or replaces one it wrote; pass another folder"),
+    cli("launch/offline.py", "`pack --drafter nope` (found after every wheel was downloaded)",
+        [OFFLINE, "pack", "{d}/bundle", "--python-version", "3.12", "--drafter", "{d}/nope"],
+        "error: --drafter: no drafter at {d}/nope (not a directory)"),
+    cli("launch/offline.py", "`pack --drafter` a folder without `drafter.json`",
+        [OFFLINE, "pack", "{d}/bundle", "--python-version", "3.12", "--drafter", "{d}/notok"],
+        "error: --drafter: {d}/notok holds no drafter (no drafter.json)"),
+    cli("launch/offline.py", "`install` a folder without `manifest.json` (a traceback)",
+        [OFFLINE, "install", "{d}/notok"],
+        "error: {d}/notok has no manifest.json: it is not a bundle pack wrote, or was copied "
+        "without it; copy the bundle again"),
+    cli("launch/offline.py", "`install` a bundle missing a wheel it lists (a traceback)",
+        [OFFLINE, "install", "{d}/nowheel"],
+        "error: {d}/nowheel/wheels/x-1-py3-none-any.whl is missing (listed in "
+        "{d}/nowheel/manifest.json): copy the bundle again"),
+    cli("launch/offline.py", "`install` from a cut part (a traceback, and a large "
+        "`DIR.tar.joined` left)", [OFFLINE, "install", "{d}/cut.tar"],
+        "error: {d}/cut.tar.part000 is cut or damaged: 10 bytes, where pack wrote 20: copy "
+        "it again"),
+    cli("launch/offline.py", "`install` from parts with one missing (joined without it)",
+        [OFFLINE, "install", "{d}/gap.tar"],
+        "error: {d}/gap.tar.part001 is missing (part 002 is here): copy it again"),
 ]
 
 
@@ -457,6 +516,14 @@ def bad_files(tmp_path_factory):
   (tmp_path / "regen300" / "meta.json").write_text(json.dumps(
       {"target": "random:tiny:0", "max_new_tokens": 300, "chat_kwargs": {},
        "dtype": "float32"}))
+  (tmp_path / "nowheel").mkdir()  # an offline bundle whose wheel was not copied
+  (tmp_path / "nowheel" / "manifest.json").write_text(json.dumps(
+      {"requirements": {}, "wheels": {"x-1-py3-none-any.whl": "0" * 64}}))
+  (tmp_path / "cut.tar.part000").write_bytes(b"x" * 10)  # its list says 20 bytes
+  (tmp_path / "cut.tar.parts.json").write_text(json.dumps(
+      {"bundle": "cut", "parts": [{"name": "cut.tar.part000", "bytes": 20, "sha256": ""}]}))
+  for i in (0, 2):  # parts without their list, part001 missing
+    (tmp_path / f"gap.tar.part{i:03d}").write_bytes(b"x" * 10)
   target0 = tiny.tiny_target()  # random:tiny:0's answers, with their meta.json
   tiny.write_fake_regen(str(tmp_path / "regen0"), target0, n=24)
   (tmp_path / "regen0" / "meta.json").write_text(json.dumps(
@@ -484,6 +551,16 @@ def _no_model(monkeypatch):
   monkeypatch.setattr(random_target, "load", fail)
 
 
+def _offline_script(monkeypatch):
+  """launch/offline.py as a module; pip running fails the test (the checks come first)."""
+  spec = importlib.util.spec_from_file_location("offline", os.path.join(REPO, OFFLINE))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  monkeypatch.setattr(module, "_pip", lambda *a, **k: pytest.fail(
+      f"pip ran before the input was checked: {a}"))
+  return module
+
+
 def _fill(x, d, ro):
   return x.replace("{d}", d).replace("{ro}", ro)
 
@@ -493,15 +570,21 @@ def test_cli_bad_input_prints_one_line(case, bad_files, monkeypatch, capsys,
                                        absl_flags_restored):
   d, ro = bad_files
   monkeypatch.setenv("FLEXDRAFT_COST_CACHE", "")
+  for name, value in case["env"].items():
+    monkeypatch.setenv(name, _fill(value, d, ro))
   if not case["model"]:
     _no_model(monkeypatch)
   argv = [_fill(a, d, ro) for a in case["argv"]]
   line = _fill(case["line"], d, ro)
   if "{ro}" in case["argv"][-1] and os.access(ro, os.W_OK):
     pytest.skip("running as root: a read-only directory is writable")
-  module = importlib.import_module(COMMANDS[argv[0]])
+  if argv[0] == OFFLINE:
+    command = lambda: _offline_script(monkeypatch).main(argv[1:])
+  else:
+    command = lambda: importlib.import_module(COMMANDS[argv[0]]).run(
+        [f"flexdraft_jax {argv[0]}"] + argv[1:])
   with pytest.raises(SystemExit) as e:
-    module.run([f"flexdraft_jax {argv[0]}"] + argv[1:])
+    command()
   err = capsys.readouterr().err
   assert "Traceback" not in err
   if line.startswith("warning:"):
@@ -590,6 +673,52 @@ def test_no_effect_options_used_as_meant_are_silent():
     warnings.simplefilter("error", fd.FlexDraftWarning)
     fd.generate(target, [[3, 4, 5]], max_new_tokens=2,
                 sampling=fd.SamplingParams(temperature=1.0, draft_sampling=True))
+
+
+def test_the_smallest_temperature_decodes_the_argmax_in_every_mode(monkeypatch):
+  # At the bound logits / T is still finite: sampling is the argmax (greedy's
+  # ids), where 1e-39 decoded ids 0, 1, 2 in every mode.
+  from flexdraft_jax.decoding.options import MODES
+  from flexdraft_jax.decoding.sampling import MIN_TEMPERATURE
+  monkeypatch.setenv("FLEXDRAFT_COST_CACHE", "")
+  target = tiny.tiny_target()
+  drafter = _bonus_drafter(target)
+  for mode in MODES:
+    kw = dict(mode=mode, drafter=None if mode == "ar" else drafter, max_new_tokens=6,
+              speculation=fd.SpecOptions(flex_threshold=2) if mode == "flex" else None)
+    kw = {k: v for k, v in kw.items() if v is not None}
+    greedy = fd.generate(target, [[3, 4, 5]], **kw).token_ids
+    coldest = fd.generate(target, [[3, 4, 5]], seed=7, **kw,
+                          sampling=fd.SamplingParams(temperature=MIN_TEMPERATURE)).token_ids
+    assert coldest == greedy, mode
+    assert greedy[0][:3] != [0, 1, 2], mode  # what the flushed temperature gave
+
+
+def test_a_relative_xdg_cache_home_is_ignored_with_one_warning(tmp_path, monkeypatch, capsys):
+  import gguf  # noqa: F401  (index_path reads its version)
+
+  from flexdraft_jax import compile_cache, paths
+  from flexdraft_jax.decoding import step_costs
+  from flexdraft_jax.kernels import cpu_matmul
+  from flexdraft_jax.model import gguf_loader
+  monkeypatch.setattr(paths, "_RELATIVE_WARNED", set())
+  for name in ("FLEXDRAFT_COST_CACHE", "FLEXDRAFT_KERNEL_CACHE", gguf_loader.INDEX_ENV):
+    monkeypatch.delenv(name, raising=False)
+  monkeypatch.chdir(tmp_path)
+  (tmp_path / "m.gguf").write_bytes(b"GGUF")
+  home_cache = os.path.join(os.path.expanduser("~"), ".cache", "flexdraft_jax")
+  for relative in ("~/.cache", "cache"):
+    monkeypatch.setenv("XDG_CACHE_HOME", relative)
+    where = [compile_cache.default_root(), step_costs.cost_cache_path("default"),
+             cpu_matmul.cache_dir(), gguf_loader.index_path("m.gguf")]
+    assert all(w.startswith(home_cache + os.sep) for w in where), where
+    assert capsys.readouterr().err.splitlines() == [  # once for the four
+        f"warning: $XDG_CACHE_HOME={relative!r} is not an absolute path, which the XDG "
+        "base directory spec says to ignore: caches go to ~/.cache instead"]
+  monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))  # an absolute one is used
+  assert compile_cache.default_root() == str(tmp_path / "xdg" / "flexdraft_jax" / "xla")
+  assert capsys.readouterr().err == ""
+  assert sorted(os.listdir(tmp_path)) == ["m.gguf"]  # nothing made under the folder
 
 
 @pytest.mark.parametrize("command, flags", [

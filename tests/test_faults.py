@@ -779,3 +779,32 @@ def test_eval_over_a_results_file_it_did_not_write_leaves_it_as_it_is(tmp_path, 
       "left as it is: use another --workdir")
   assert (w / "results.json").read_text() == "[1, 2, 3]"
   assert sorted(os.listdir(w)) == ["results.json"]  # nothing else written, lock released
+
+
+def test_a_gguf_edited_in_place_keeping_size_and_mtime_is_read_afresh(tmp_path, monkeypatch):
+  # Its index was found by path, size and mtime: it served the config as it was.
+  import gguf
+
+  from flexdraft_jax.model import gguf_loader, loading
+  path = str(tmp_path / "model.gguf")
+  shutil.copyfile(loading.builtin_path("smollm2-135m"), path)
+  monkeypatch.setenv(gguf_loader.INDEX_ENV, str(tmp_path / "index"))
+  key = "llama.context_length"
+  assert gguf_loader.read_gguf(path)[0][key] == 8192
+  where, before = gguf_loader.index_path(path), os.stat(path)
+  field = gguf.GGUFReader(path).fields[key]  # a uint32: the field's last 4 bytes
+  at = field.offset + sum(p.nbytes for p in field.parts) - 4
+  with open(path, "r+b") as f:
+    f.seek(at)
+    f.write((4096).to_bytes(4, "little"))
+  os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+  after = os.stat(path)
+  assert (after.st_size, after.st_mtime_ns) == (before.st_size, before.st_mtime_ns)
+  assert gguf_loader.index_path(path) == where  # the same index is found
+  meta, _ = gguf_loader.read_gguf(path)
+  assert meta[key] == 4096
+  cfg = gguf_loader.read_config(meta, set(), path)
+  assert cfg.max_position_embeddings == 4096
+  # the index was written again: the next load reads it, parsing nothing
+  monkeypatch.setattr(gguf_loader, "_open", lambda p: pytest.fail("parsed again"))
+  assert gguf_loader.read_gguf(path)[0][key] == 4096

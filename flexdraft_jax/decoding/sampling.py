@@ -11,6 +11,21 @@ import jax.numpy as jnp
 
 from flexdraft_jax import checks
 from flexdraft_jax.model import transformer
+from flexdraft_jax.model.config import FlexDraftError
+
+# The smallest temperature > 0 sampling takes. Logits x are divided by T in
+# float32, whose spacing at x / T is |x| / T * 2**-23, and a softmax subtracts
+# the largest x / T, which the compiled program may round differently (XLA
+# computes x / T again inside its fusions). Once that spacing nears exp's
+# range (87) every probability underflows to 0 and the softmax is 0 / 0 = NaN:
+# a tiny target (logits ~ 3) emitted ids 0 from T = 1e-9 on, with sampled drafts;
+# below 2**-126 (1.2e-38) the device flushes T itself to 0, and every mode, AR
+# too, emitted ids 0, 1, 2. From 1e-6 on, x / T stays below 1e8 for logits up to
+# 100 in magnitude (models give tens): a spacing of 8 at most. Nothing is lost
+# by the bound: at T = 1e-6 a token whose logit is 1e-4 below the best is already
+# e^-100 less likely (0 in float32); a smaller T differs from greedy decoding only
+# among tokens tied closer than that.
+MIN_TEMPERATURE = 1e-6
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,6 +44,9 @@ class SamplingParams:
   def __post_init__(self):
     checks.check_number("temperature", self.temperature, "a finite number >= 0",
                         lambda t: math.isfinite(t) and t >= 0)
+    if 0 < self.temperature < MIN_TEMPERATURE:
+      raise FlexDraftError(f"temperature must be 0 (greedy) or >= "
+                           f"{MIN_TEMPERATURE:g}, got {checks.shown(self.temperature)}")
     if self.top_k is not None:
       checks.check_int("top_k", self.top_k, 1)
     if self.top_p is not None:

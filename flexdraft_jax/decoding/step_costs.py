@@ -14,6 +14,8 @@ import os
 import tempfile
 import warnings
 
+from flexdraft_jax import paths
+
 # Measured step costs of this process: cache path -> {key: costs}.
 _COSTS_IN_MEMORY: dict = {}
 _WARNED: set = set()
@@ -27,16 +29,15 @@ def cost_cache_path(setting="default"):
 
   `setting` is `SpecOptions.cost_cache`: "default" reads
   `$FLEXDRAFT_COST_CACHE` (a file; empty: memory only), else
-  `$XDG_CACHE_HOME/flexdraft_jax/step_costs.json` (`~/.cache` without it).
+  `$XDG_CACHE_HOME/flexdraft_jax/step_costs.json` (`~/.cache` without it or
+  where it is a relative path: `paths.cache_root`).
   """
   if setting != "default":
     return setting or None
   env = os.environ.get("FLEXDRAFT_COST_CACHE")
   if env is not None:
     return env or None
-  root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"),
-                                                           ".cache")
-  return os.path.join(root, "flexdraft_jax", "step_costs.json")
+  return os.path.join(paths.cache_root(), "flexdraft_jax", "step_costs.json")
 
 
 def _is_cost_table(x) -> bool:

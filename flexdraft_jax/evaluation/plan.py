@@ -11,6 +11,7 @@ import os
 import numpy as np
 
 from flexdraft_jax.decoding.options import Mode, parse_flex_threshold
+from flexdraft_jax.decoding.sampling import MIN_TEMPERATURE
 from flexdraft_jax.evaluation import benchmarks
 from flexdraft_jax.evaluation.cells import MODES, Cell
 from flexdraft_jax.model.config import FlexDraftError
@@ -100,6 +101,9 @@ def check_settings(config) -> None:
     if not math.isfinite(t) or t < 0:
       raise FlexDraftError(f"--config.eval.temperatures: each must be a finite number "
                            f">= 0, got {t}")
+    if 0 < t < MIN_TEMPERATURE:  # logits / T overflows float32 (sampling.py)
+      raise FlexDraftError(f"--config.eval.temperatures: each must be 0 (greedy) or >= "
+                           f"{MIN_TEMPERATURE:g}, got {t:g}")
   for b in parse_list(ec.batch_sizes, int) + parse_list(config.ablation.batch_sizes, int):
     if b < 1:
       raise FlexDraftError(f"--config.eval.batch_sizes and --config.ablation.batch_sizes "

@@ -13,7 +13,7 @@ With bf16 weights (`w_OxI.dtype == bfloat16`: the draft pass, see
 The C++ source is compiled once per machine with the system's C++ compiler
 (`c++`, or `$CXX`) against jaxlib's FFI headers, into
 `$FLEXDRAFT_KERNEL_CACHE` (default `$XDG_CACHE_HOME/flexdraft_jax/kernels`,
-`~/.cache` without it), keyed by the source, jaxlib's version and the CPU's
+`paths.cache_root`: `~/.cache` without it), keyed by the source, jaxlib's version and the CPU's
 flags; `launch/setup.sh` builds it at install (`python -m flexdraft_jax
 build-kernel`). Where it cannot be built (no compiler) decoding keeps XLA's dot
 and says so once. `FLEXDRAFT_CPU_MATMUL=0` turns it off.
@@ -39,6 +39,8 @@ import tempfile
 import jax
 import jax.numpy as jnp
 
+from flexdraft_jax import paths
+
 _SOURCE = os.path.join(os.path.dirname(__file__), "cpu", "matmul_t.cc")
 _TARGET = "flexdraft_matmul_t"
 _TARGET_BF16 = "flexdraft_matmul_t_bf16"
@@ -55,9 +57,7 @@ def cache_dir() -> str:
   env = os.environ.get("FLEXDRAFT_KERNEL_CACHE")
   if env:
     return env
-  root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"),
-                                                           ".cache")
-  return os.path.join(root, "flexdraft_jax", "kernels")
+  return os.path.join(paths.cache_root(), "flexdraft_jax", "kernels")
 
 
 def _cpu_flags() -> str:

@@ -262,6 +262,7 @@ def table_rows(first: str, second: str, r: dict, label: str = "") -> list:
 
 
 def _temperatures(values) -> tuple:
+  from flexdraft_jax.decoding.sampling import MIN_TEMPERATURE
   from flexdraft_jax.model.config import FlexDraftError
   out = []
   for v in values:
@@ -271,6 +272,9 @@ def _temperatures(values) -> tuple:
       t = float("nan")
     if not np.isfinite(t) or t < 0:
       raise FlexDraftError(f"--temperatures: {v!r} is not a temperature (a number >= 0)")
+    if 0 < t < MIN_TEMPERATURE:  # logits / T overflows float32 (sampling.py)
+      raise FlexDraftError(f"--temperatures: each must be 0 (greedy) or >= "
+                           f"{MIN_TEMPERATURE:g}, got {v}")
     out.append(t)
   if not out:
     raise FlexDraftError("--temperatures is empty: name at least one (e.g. 0,0.7,1)")

@@ -187,16 +187,24 @@ def define_flags(names) -> None:
 
 def prepare(FLAGS, command: str, temperatures=(0.0,)):
   """(target, {dataset: answers}) for the parsed flags, every check that needs
-  no model first (the drafters' directories and files, `--limit`, the answers
-  cache): bad input is one line before the target answers anything. With
+  no model first (the drafters' directories and files, `--limit`, `--datasets`,
+  the answers cache): bad input is one line before the target answers anything. With
   several `temperatures`, {T: {dataset: answers at T}}."""
   from flexdraft_jax.drafter import checkpoint
-  from flexdraft_jax.evaluation import plan
+  from flexdraft_jax.evaluation import benchmarks, plan
   from flexdraft_jax.model.config import FlexDraftError
   from flexdraft_jax.paths import data_root, runs_root
   plan.check_limit(FLAGS.limit, "--limit")
   if not FLAGS.drafters:
     raise FlexDraftError("--drafters is empty: name at least one drafter directory")
+  if not FLAGS.datasets:  # printed an empty table and exited 0
+    raise FlexDraftError("--datasets is empty: name at least one benchmark (e.g. "
+                         "--datasets=gsm8k,humaneval,mbpp)")
+  for name in FLAGS.datasets:  # an unknown one failed after the target loaded
+    try:
+      benchmarks.canonical_name(name)
+    except FlexDraftError as e:
+      raise FlexDraftError(f"--datasets: {e}") from None
   for path in FLAGS.drafters:
     if not os.path.isdir(plan.resolve_path(path)):
       raise FlexDraftError(f"--drafters: no drafter at {path} (not a directory)")
