@@ -1,6 +1,7 @@
 """`python -m flexdraft_jax COMMAND [flags]`: generate, self-instruct, regenerate,
 train, eval, and the drafter tools (add-ngram, offline-tau,
-offline-accept, learning-curve, build-kernel)."""
+offline-accept, learning-curve, build-kernel), and aot (a decode run's programs
+compiled for a TPU slice that is not attached)."""
 
 import importlib
 import sys
@@ -16,6 +17,7 @@ COMMANDS = {
     "offline-accept": "flexdraft_jax.training.offline_accept",
     "learning-curve": "flexdraft_jax.training.learning_curve",
     "build-kernel": "flexdraft_jax.kernels.cpu_matmul",
+    "aot": "flexdraft_jax.aot.cli",
 }
 
 

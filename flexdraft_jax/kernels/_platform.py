@@ -1,7 +1,13 @@
-"""Backend selection, compiler parameters and interpret modes."""
+"""Backend selection, compiler parameters and interpret modes.
+
+The platform programs are built for is the default backend's, or the one
+`building_for` names: ahead-of-time compiling (`python -m flexdraft_jax aot`)
+traces the kernels for a TPU on a host that has none."""
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 
 import jax
@@ -9,6 +15,30 @@ import jax
 from flexdraft_jax.kernels import _common as C
 
 BACKENDS = ("tpu", "gpu")
+
+_BUILDING_FOR = contextvars.ContextVar("flexdraft_building_for", default=None)
+
+
+def platform() -> str:
+  """The platform traced programs are for: "cpu", "tpu" or "gpu" (the
+  default backend's, unless inside `building_for`)."""
+  return _BUILDING_FOR.get() or jax.default_backend()
+
+
+@contextlib.contextmanager
+def building_for(name: str):
+  """Traces inside build programs for platform `name` ("tpu", "gpu"): the
+  attention kernels compile for it (no interpreter), `attn_impl="auto"` picks
+  Pallas, and the CPU matmul kernel is left out. JAX's trace caches are
+  cleared on the way in and out: they know nothing of the platform, so a
+  program traced for one would be reused for the other."""
+  token = _BUILDING_FOR.set(name)
+  jax.clear_caches()
+  try:
+    yield
+  finally:
+    _BUILDING_FOR.reset(token)
+    jax.clear_caches()
 
 
 def cost_estimate(flops: float, transcendentals: float, arrays):
@@ -22,13 +52,13 @@ def cost_estimate(flops: float, transcendentals: float, arrays):
 
 
 def resolve_backend(backend: str) -> str:
-  """"auto" -> the kernel family for `jax.default_backend()`.
+  """"auto" -> the kernel family for `platform()`.
 
   On CPU (no Pallas compiler) "auto" picks the gpu-structured kernels, which
   the generic Pallas interpreter runs fastest.
   """
   if backend == "auto":
-    return "tpu" if jax.default_backend() == "tpu" else "gpu"
+    return "tpu" if platform() == "tpu" else "gpu"
   if backend not in BACKENDS:
     raise ValueError(f"backend must be auto, tpu or gpu, got {backend!r}")
   return backend
@@ -37,7 +67,7 @@ def resolve_backend(backend: str) -> str:
 def resolve_interpret(backend: str, interpret) -> bool:
   """None -> interpret iff the running platform cannot compile `backend`."""
   if interpret is None:
-    return jax.default_backend() != backend
+    return platform() != backend
   return bool(interpret)
 
 

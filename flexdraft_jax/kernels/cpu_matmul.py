@@ -40,6 +40,7 @@ import jax
 import jax.numpy as jnp
 
 from flexdraft_jax import paths
+from flexdraft_jax.kernels import _platform
 
 _SOURCE = os.path.join(os.path.dirname(__file__), "cpu", "matmul_t.cc")
 _TARGET = "flexdraft_matmul_t"
@@ -176,9 +177,9 @@ def _register() -> bool:
 
 
 def available() -> bool:
-  """Whether `matmul_t` runs the kernel here (the default backend is a CPU,
-  the switch is on, and the library builds and loads)."""
-  return enabled_by_env() and jax.default_backend() == "cpu" and _register()
+  """Whether `matmul_t` runs the kernel here (programs are built for a CPU,
+  `_platform.platform()`, the switch is on, and the library builds and loads)."""
+  return enabled_by_env() and _platform.platform() == "cpu" and _register()
 
 
 def build_info() -> str:

@@ -173,8 +173,11 @@ def attend_xla_blocked(q_BxTxNxD, k_BxKxSxD, v_BxKxSxD, limit_BxT,
 
 
 def resolve_impl(impl: str) -> str:
+  """"auto" -> "pallas" where programs are built for a TPU or GPU
+  (`kernels._platform.platform()`), else "xla"."""
   if impl == "auto":
-    return "pallas" if jax.default_backend() in ("tpu", "gpu") else "xla"
+    from flexdraft_jax.kernels import _platform
+    return "pallas" if _platform.platform() in ("tpu", "gpu") else "xla"
   if impl not in ("xla", "pallas"):
     raise ValueError(f"attention_impl must be xla, pallas or auto, got {impl!r}")
   return impl
