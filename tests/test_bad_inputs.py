@@ -29,6 +29,8 @@ TINY = "configs/tiny_test.py"
 EVAL = "configs/eval_smollm2.py"
 GEN = ["--model", "random:tiny", "--prompt", "hi", "--max-new-tokens", "2"]
 OFFLINE = "launch/offline.py"  # a script (stdlib only), not a command of the package
+AOT = ["--target", "random:tiny", "--drafter", "random:L=2,block=4", "--modes", "ar,sequential:4",
+       "--out", "{d}/aot"]
 
 
 class Case(dict):
@@ -477,6 +479,33 @@ CASES = [
     cli("launch/offline.py", "`install` from parts with one missing (joined without it)",
         [OFFLINE, "install", "{d}/gap.tar"],
         "error: {d}/gap.tar.part001 is missing (part 002 is here): copy it again"),
+    # ------------------------------------------------------------- aot ----
+    cli("aot", "`--topology v9x:2x2` (no such chip)", ["aot", *AOT, "--topology", "v9x:2x2"],
+        "error: --topology 'v9x:2x2': unknown chip 'v9x' (known: v4, v5e, v5p, v6e; e.g. "
+        "v5e:2x4, v6e:1x1, v4:2x2x1)"),
+    cli("aot", "`--topology v4:2x2` (a v4 slice has 3 axes)", ["aot", *AOT, "--topology", "v4:2x2"],
+        "error: --topology 'v4:2x2': a v4 slice is 3 numbers >= 1 joined by x (e.g. v4:2x2x2)"),
+    cli("aot", "`--modes ar,beam:4`", ["aot", *AOT, "--modes", "ar,beam:4"],
+        "error: --modes: 'beam:4' is not a mode: ar, parallel:K, sequential:K (K >= 2 the "
+        "verify length) or tree:N (N >= 2 nodes)"),
+    cli("aot", "`--modes sequential:8` with a drafter of block 4",
+        ["aot", *AOT, "--modes", "sequential:8"],
+        "error: --modes sequential:8: the verify length exceeds the drafter's block size 4"),
+    cli("aot", "`--batch_sizes 0`", ["aot", *AOT, "--batch_sizes", "0"],
+        "error: --batch_sizes: '0' is not an integer >= 1"),
+    cli("aot", "`--max_len 64 --prompt_len 64` (no room to decode)",
+        ["aot", *AOT, "--max_len", "64", "--prompt_len", "64"],
+        "error: --prompt_len=64 and 9 spare positions for the decode steps leave no room to "
+        "decode in --max_len=64"),
+    cli("aot", "`--target random:nope`", ["aot", *AOT, "--target", "random:nope"],
+        "error: unknown random target 'nope' (known: tiny, tiny-qwen3, tiny-qwen2, "
+        "smollm2-135m-shape)"),
+    cli("aot", "`--drafter` made for another target",
+        ["aot", *AOT, "--drafter", "flexdraft_jax/drafters/smollm2_135m_L8"],
+        "error: flexdraft_jax/drafters/smollm2_135m_L8 was made for target 'smollm2-135m' "
+        "(num_layers=30), not 'random:tiny' (num_layers=4)"),
+    cli("aot", "`--out` a folder holding files it did not write", ["aot", *AOT, "--out", "{d}"],
+        "error: --out {d} holds files this command did not write: give a new folder"),
 ]
 
 

@@ -8,7 +8,7 @@ import os
 PACKAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                        "flexdraft_jax")
 # the order of docs/design.md's table
-ROOMS = ("kernels", "model", "drafter", "decoding", "evaluation", "training")
+ROOMS = ("kernels", "model", "drafter", "decoding", "evaluation", "training", "aot")
 
 
 def _imported_rooms(path: str) -> set:

@@ -81,9 +81,6 @@ def plan_from_flags():
   for name in ("max_len", "prompt_len", "train_batch", "train_seq_len"):
     if F[name].value < 1:
       raise FlexDraftError(f"--{name} must be an integer >= 1, got {F[name].value}")
-  missing = programs.compiler_missing()
-  if missing:
-    raise FlexDraftError(missing)
   target = programs.target_shape(F.target)
   spec = F.drafter
   if spec is None:  # the shipped drafter where it fits the target, else AR only
@@ -96,6 +93,9 @@ def plan_from_flags():
   if F.train and drafter is not None and F.train_seq_len < drafter.config.block_size + 2:
     raise FlexDraftError(f"--train_seq_len={F.train_seq_len} is too short for the "
                          f"drafter's block of {drafter.config.block_size}")
+  missing = programs.compiler_missing()  # last: every other mistake shows without it
+  if missing:
+    raise FlexDraftError(missing)
   plan = programs.Plan(target, drafter, topo, batches, modes, F.max_len, F.prompt_len,
                        F.attn_impl, F.dtype, F.train, F.train_batch, F.train_seq_len)
   return plan, out

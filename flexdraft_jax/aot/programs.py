@@ -348,7 +348,11 @@ def train_row(plan: Plan, devices, log=None) -> dict:
   from flexdraft_jax.training import sharding, steps
   from flexdraft_jax.training.config import base_config
   from flexdraft_jax.util import round_up
-  cfg, dcfg = plan.target.config, plan.drafter.config
+  cfg = plan.target.config
+  # Training has no n-gram prior (add-ngram adds it to a trained drafter).
+  dcfg = dataclasses.replace(plan.drafter.config, ngram_bigrams=0, ngram_contexts=0,
+                             ngram_trigrams=0, ngram_weight=0.0, context_trigram=0.0,
+                             context_bigram=0.0)
   n = len(devices)
   mesh = Mesh(np.asarray(devices).reshape(n, 1), ("data", "model"))
   tc = base_config("aot").train

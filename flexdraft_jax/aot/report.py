@@ -20,12 +20,16 @@ DECODE_KINDS = ("ar", "parallel", "sequential", "tree")
 
 
 def first_line(error) -> str:
-  """The first non-empty line of an exception's message (or of a string)."""
-  text = str(error)
-  for line in text.splitlines():
-    if line.strip():
-      return line.strip()
-  return type(error).__name__ if isinstance(error, BaseException) else ""
+  """The first non-empty line of an exception's message (or of a string); an
+  exception other than the compiler's own is named (`KeyError: 'x'`)."""
+  line = next((x.strip() for x in str(error).splitlines() if x.strip()), "")
+  if isinstance(error, BaseException) and type(error).__name__ not in COMPILER_ERRORS:
+    return f"{type(error).__name__}: {line}" if line else type(error).__name__
+  return line
+
+
+# What XLA and its compilers raise (their messages start with a status: INTERNAL: …).
+COMPILER_ERRORS = ("JaxRuntimeError", "XlaRuntimeError", "MosaicError")
 
 
 def program_row(name: str, mode: str, batch: int, *, chip: Chip, devices_per_chip: int = 1,
