@@ -92,8 +92,10 @@ def test_topologies_come_from_the_chip_table():
   for c in chips.CHIPS.values():
     assert c.source.startswith("https://cloud.google.com/tpu/docs/")
     assert c.hbm_bytes_per_s > 0 and c.peak_bf16_flops > 0
-  with pytest.raises(FlexDraftError, match="unknown chip 'h100'"):
+  with pytest.raises(FlexDraftError, match="GPUs are not compiled for yet"):
     chips.parse_topology("h100")
+  with pytest.raises(FlexDraftError, match="unknown chip 'v9'"):
+    chips.parse_topology("v9:2x2")
   with pytest.raises(FlexDraftError, match="a v4 slice is 3 numbers"):
     chips.parse_topology("v4:2x2")
 
@@ -180,6 +182,7 @@ def test_tiny_decode_programs_compile_with_pallas_for_v5e(tmp_path, capsys, absl
   rep = json.loads((out / report.JSON_FILE).read_text())
   assert (out / report.MD_FILE).read_text() == md
   assert rep["format"] == report.FORMAT and rep["device_kind"] == "TPU v5 lite"
+  assert rep["attention"] == "pallas" and rep["devices"] == rep["devices_per_chip"] == 1
   assert rep["chip"]["hbm_bytes"] == 16 * GIB
   rows = {r["name"]: r for r in rep["programs"]}
   assert set(rows) == {"prefill B=1", "chunk ar B=1", "chunk sequential:4 B=1"}

@@ -752,7 +752,8 @@ def test_a_relative_xdg_cache_home_is_ignored_with_one_warning(tmp_path, monkeyp
 
 @pytest.mark.parametrize("command, flags", [
     ("train", ("--config", "--workdir")), ("eval", ("--config", "--workdir")),
-    ("regenerate", ("--config", "--limit", "--max_minutes"))])
+    ("regenerate", ("--config", "--limit", "--max_minutes")),
+    ("aot", ("--target", "--drafter", "--topology", "--batch_sizes", "--modes", "--out"))])
 def test_short_help_lists_the_key_flags(command, flags, capsys):
   module = importlib.import_module(COMMANDS[command])
   with pytest.raises(SystemExit):

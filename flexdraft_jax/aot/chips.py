@@ -67,6 +67,9 @@ def parse_topology(text: str) -> Topology:
   known = ", ".join(CHIPS)
   chip_name, _, shape = str(text).partition(":")
   chip = CHIPS.get(chip_name.strip().lower())
+  if chip is None and re.fullmatch(r"[ahb]\d+", chip_name.strip().lower()):
+    raise FlexDraftError(f"--topology {text!r}: GPUs are not compiled for yet (TPU slices "
+                         f"only: {known})")
   if chip is None:
     raise FlexDraftError(f"--topology {text!r}: unknown chip {chip_name!r} (known: {known}; "
                          "e.g. v5e:2x4, v6e:1x1, v4:2x2x1)")

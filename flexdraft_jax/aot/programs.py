@@ -409,8 +409,10 @@ def _no_persistent_cache():
 def compile_all(plan: Plan, log=None) -> dict:
   """Every program of the plan compiled for its slice: the report's dict."""
   from flexdraft_jax.kernels import _platform
+  from flexdraft_jax.model.attention import resolve_impl
   devices = topology_devices(plan.topology)
   with _platform.building_for("tpu"), _no_persistent_cache():
+    attention = resolve_impl(plan.attn_impl)  # what "auto" runs on a TPU
     rows = decode_rows(plan, devices, log)
     if plan.train and plan.drafter is not None:
       rows.append(train_row(plan, devices, log))
@@ -423,7 +425,8 @@ def compile_all(plan: Plan, log=None) -> dict:
       "devices_per_chip": devices_per_chip(devices),
       "device_kind": devices[0].device_kind,
       "chip": dataclasses.asdict(chip),
-      "dtype": plan.dtype, "attn_impl": plan.attn_impl, "max_len": plan.max_len,
+      "dtype": plan.dtype, "attn_impl": plan.attn_impl,
+      "attention": attention, "max_len": plan.max_len,
       "prompt_len": plan.prompt_len, "batch_sizes": list(plan.batch_sizes),
       "modes": [str(m) for m in plan.modes],
       "train": ({"batch": plan.train_batch, "seq_len": plan.train_seq_len}

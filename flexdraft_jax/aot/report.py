@@ -118,8 +118,11 @@ def markdown(report: dict) -> str:
   lines = [
       f"# Compiled ahead of time: {report['target']} on {report['topology']}", "",
       f"Target `{report['target']}` ({report['dtype']}), drafter `{report['drafter']}`, "
-      f"attention `{report['attn_impl']}`, cache {report['max_len']} positions, prompts "
-      f"padded to {report['prompt_len']}; {report['devices']} devices "
+      f"attention `{report['attn_impl']}`"
+      + (f" ({report['attention']})" if report.get("attention", report["attn_impl"])
+         != report["attn_impl"] else "")
+      + f", cache {report['max_len']} positions, prompts padded to {report['prompt_len']}; "
+      f"{report['devices']} device{'s' if report['devices'] > 1 else ''} "
       f"({report['devices_per_chip']} a chip). Compiled by JAX {report['versions']['jax']}"
       f", libtpu {report['versions'].get('libtpu') or '?'}, with no accelerator attached.",
       "",
