@@ -177,7 +177,7 @@ def test_a_report_folder_it_did_not_write_is_refused(tmp_path, capsys, absl_flag
 def test_tiny_decode_programs_compile_with_pallas_for_v5e(tmp_path, capsys, absl_flags_restored):
   out = tmp_path / "report"
   code, md, err = _aot(TINY + ["--attn_impl=pallas", "--batch_sizes=1", "--modes=ar,sequential:4",
-                               "--notrain", f"--out={out}"], capsys)
+                               "--train_batch=2", "--train_seq_len=32", f"--out={out}"], capsys)
   assert code == 0, err
   rep = json.loads((out / report.JSON_FILE).read_text())
   assert (out / report.MD_FILE).read_text() == md
@@ -185,7 +185,9 @@ def test_tiny_decode_programs_compile_with_pallas_for_v5e(tmp_path, capsys, absl
   assert rep["attention"] == "pallas" and rep["devices"] == rep["devices_per_chip"] == 1
   assert rep["chip"]["hbm_bytes"] == 16 * GIB
   rows = {r["name"]: r for r in rep["programs"]}
-  assert set(rows) == {"prefill B=1", "chunk ar B=1", "chunk sequential:4 B=1"}
+  assert set(rows) == {"prefill B=1", "chunk ar B=1", "chunk sequential:4 B=1",
+                       "train_step B=2 T=32"}
+  assert rep["train"] == {"batch": 2, "seq_len": 32}
   for r in rows.values():
     assert r["compiled"] and r["error"] is None and r["fits"] is True, r
     assert 0 < r["bytes_per_chip"] < r["chip_bytes"] == 16 * GIB

@@ -70,7 +70,7 @@ def _batch_sizes(values) -> tuple:
 
 def plan_from_flags():
   """The plan the flags ask for, every check that needs no compiler done (one
-  line each); returns (plan, the --out folder)."""
+  line each); returns (plan, the --out folder, notes to print)."""
   from absl import flags
   from flexdraft_jax.aot import chips, programs, report
   F = flags.FLAGS
@@ -82,11 +82,13 @@ def plan_from_flags():
     if F[name].value < 1:
       raise FlexDraftError(f"--{name} must be an integer >= 1, got {F[name].value}")
   target = programs.target_shape(F.target)
-  spec = F.drafter
+  spec, notes = F.drafter, []
   if spec is None:  # the shipped drafter where it fits the target, else AR only
     spec = DEFAULT_DRAFTER if _made_for(DEFAULT_DRAFTER, target) else "none"
-    if spec == "none":
-      modes = [m for m in modes if m.kind == "ar"] or modes
+    if spec == "none" and any(m.kind != "ar" for m in modes):
+      modes = [m for m in modes if m.kind == "ar"] or [programs.ModeSpec("ar")]
+      notes.append(f"{DEFAULT_DRAFTER} is not made for {target.name}: AR only (--drafter "
+                   f"{programs.DEFAULT_RANDOM_DRAFTER} compiles the speculative modes)")
   drafter = programs.drafter_shape(spec, target)
   programs.check_modes(modes, drafter, target.config.vocab_size)
   _check_cache(target, drafter, modes, F.max_len, F.prompt_len)
@@ -98,7 +100,7 @@ def plan_from_flags():
     raise FlexDraftError(missing)
   plan = programs.Plan(target, drafter, topo, batches, modes, F.max_len, F.prompt_len,
                        F.attn_impl, F.dtype, F.train, F.train_batch, F.train_seq_len)
-  return plan, out
+  return plan, out, notes
 
 
 def _check_cache(target, drafter, modes, max_len: int, prompt_len: int) -> None:
@@ -139,12 +141,14 @@ def main(argv) -> int:
   import jax
 
   from flexdraft_jax import compile_cache
-  plan, out = plan_from_flags()
+  plan, out, notes = plan_from_flags()
   if not os.environ.get("JAX_PLATFORMS"):  # the host compiles; it needs no accelerator
     jax.config.update("jax_platforms", "cpu")
   compile_cache.use_compile_cache("off")  # programs for a chip this machine lacks
   from flexdraft_jax.aot import programs, report
   log = lambda line: print(f"aot: {line}", file=sys.stderr, flush=True)
+  for line in notes:
+    log(line)
   log(f"compiling for {plan.topology.name}: {plan.target.name}, drafter "
       f"{plan.drafter.name if plan.drafter else 'none'}, batches "
       f"{','.join(map(str, plan.batch_sizes))}, modes {','.join(map(str, plan.modes))}")

@@ -26,8 +26,10 @@ Kernels (all `pl.pallas_call`):
 Backends (`backend=`): "gpu" — Triton lowering (pointer loads, dynamic
 trip counts); "tpu" — Mosaic (forward / dq: cache in HBM, double-buffered
 async DMA of contiguous blocks into VMEM; dK/dV: BlockSpec-pipelined blocks;
-schedule tables in SMEM via scalar prefetch); "auto" — the one of
-`jax.default_backend()` (gpu-structured on CPU). `interpret=None` runs the
+schedule tables in SMEM via scalar prefetch); "auto" — the one of the
+platform programs are built for (`_platform.platform()`: the default backend's,
+or a TPU inside `_platform.building_for("tpu")`; gpu-structured on CPU).
+`interpret=None` runs the
 interpreter when the platform can't compile the backend (CPU), using TPU
 interpret mode (`pltpu.InterpretParams`) for the TPU kernels.
 
