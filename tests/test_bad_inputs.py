@@ -12,6 +12,8 @@ import importlib
 import json
 import os
 import re
+import subprocess
+import sys
 import warnings
 
 import numpy as np
@@ -33,8 +35,10 @@ class Case(dict):
   """surface, bad (what is wrong), argv (a CLI command) or call (Python), line."""
 
 
-def cli(surface, bad, argv, line, model=False):
-  return Case(surface=surface, bad=bad, argv=argv, line=line, model=model)
+def cli(surface, bad, argv, line, model=False, fresh=False):
+  """`fresh`: run in a process of its own (`python -m flexdraft_jax`), whose
+  whole stderr must be `line` (what a process that ran nothing before prints)."""
+  return Case(surface=surface, bad=bad, argv=argv, line=line, model=model, fresh=fresh)
 
 
 def api(bad, call, line, warning=False, surface="generate()"):
@@ -127,6 +131,9 @@ CASES = [
         ["generate", *GEN, "--compile_cache", "{d}/afile"],
         "error: the compile cache {d}/afile is not a folder (set another with "
         "--compile_cache or $FLEXDRAFT_COMPILE_CACHE, or 'off')"),
+    cli("generate", "`--top-p 0` in a new process (JAX's INFO line `Resetting cache at "
+        "<empty>.` came first on stderr)", ["generate", *GEN, "--top-p", "0"],
+        "error: --top-p must be in (0, 1], got 0.0", fresh=True),
     # ------------------------------------------------ generate() in Python ----
     api("`sampling=SamplingParams(temperature=float(\"nan\"))`",
         dict(sampling=lambda t: fd.SamplingParams(temperature=float("nan"))),
@@ -449,6 +456,8 @@ def test_cli_bad_input_prints_one_line(case, bad_files, monkeypatch, capsys,
   line = _fill(case["line"], d, ro)
   if "{ro}" in case["argv"][-1] and os.access(ro, os.W_OK):
     pytest.skip("running as root: a read-only directory is writable")
+  if case["fresh"]:
+    return _fresh_process_prints(argv, line, d)
   module = importlib.import_module(COMMANDS[argv[0]])
   with pytest.raises(SystemExit) as e:
     module.run([f"flexdraft_jax {argv[0]}"] + argv[1:])
@@ -461,6 +470,18 @@ def test_cli_bad_input_prints_one_line(case, bad_files, monkeypatch, capsys,
     assert e.value.code == 1
     assert err.strip().splitlines()[-1] == line, err
     assert sum(x.startswith("error:") for x in err.splitlines()) == 1
+
+
+def _fresh_process_prints(argv, line, d):
+  """`python -m flexdraft_jax ARGV` in a new process prints `line` alone on
+  stderr: nothing before it (a library's log line), nothing after, exit 1."""
+  env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu", FLEXDRAFT_COST_CACHE="",
+             FLEXDRAFT_COMPILE_CACHE=os.path.join(d, "xla"))
+  env.pop("JAX_COMPILATION_CACHE_DIR", None)  # a folder of JAX's own: never reset
+  r = subprocess.run([sys.executable, "-m", "flexdraft_jax", *argv], cwd=REPO, env=env,
+                     capture_output=True, text=True, timeout=300)
+  assert r.returncode == 1, r.stderr
+  assert r.stderr.splitlines() == [line], r.stderr
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if "call" in c], ids=_id)
