@@ -263,7 +263,8 @@ def _holder(path: str) -> dict:
     return {}
 
 
-def _alive(pid) -> bool:
+def process_alive(pid) -> bool:
+  """Whether process `pid` (on this host) is running."""
   try:
     os.kill(int(pid), 0)
   except ProcessLookupError:
@@ -301,7 +302,7 @@ def folder_lock(folder: str, what: str, flag: str = "--workdir"):
         os.close(fd)
         raise
       old = _holder(path)
-      if old and old.get("pid") != pid and (old.get("host") != host or _alive(old["pid"])):
+      if old and old.get("pid") != pid and (old.get("host") != host or process_alive(old["pid"])):
         os.close(fd)
         raise FlexDraftError(f"{flag} {folder} is in use by {_describe(old)}: wait for it "
                              f"to end, or use another folder (if it has ended, remove "
