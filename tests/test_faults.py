@@ -92,12 +92,12 @@ def test_held_signals_wait_for_the_caller_and_a_second_one_acts_at_once():
   before = signal.getsignal(signal.SIGTERM)
   with run_control.stop_on_signals():
     with run_control.held():
-      os.kill(os.getpid(), signal.SIGTERM)
+      signal.raise_signal(signal.SIGTERM)
       with run_control.critical():  # a write inside: still held when it ends
         pass
       assert run_control.pending() == signal.SIGTERM
       with pytest.raises(run_control.Stopped) as e:
-        os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C again: no waiting
+        signal.raise_signal(signal.SIGINT)  # Ctrl-C again: no waiting
         time.sleep(1)
       assert e.value.signum == signal.SIGINT
   assert run_control.pending() is None
@@ -114,7 +114,7 @@ class _SignalInGc:
   def __call__(self, phase, info):
     if self.signals and self.armed():
       self.sent.append(self.signals[0])
-      os.kill(os.getpid(), self.signals.pop(0))
+      signal.raise_signal(self.signals.pop(0))
       sum(range(100))  # bytecode in the callback, where the handler runs
 
   def __enter__(self):
@@ -140,7 +140,7 @@ def test_a_stop_raised_in_a_gc_callback_is_not_lost(capsys):
     # process on SIGTERM): it raises at once.
     assert signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, signal.SIG_IGN)
     with pytest.raises(run_control.Stopped) as e:
-      os.kill(os.getpid(), signal.SIGTERM)
+      signal.raise_signal(signal.SIGTERM)
       time.sleep(1)
     assert e.value.signum == signal.SIGTERM
   assert signal.getsignal(signal.SIGTERM) is before
@@ -191,7 +191,7 @@ def test_a_command_stopped_twice_in_gc_callbacks_ends_cleanly(tmp_path):
       "def term(phase, info):  # at the collection's start, then at its end\n"
       "  if collecting and len(sent) < 2:\n"
       "    sent.append(phase)\n"
-      "    os.kill(os.getpid(), signal.SIGTERM)\n"
+      "    signal.raise_signal(signal.SIGTERM)\n"
       "    sum(range(100))\n"
       "gc.callbacks.append(term)\n"
       "sys.argv = ['flexdraft_jax'] + sys.argv[1:]\n"
@@ -276,7 +276,7 @@ def test_train_interrupted_after_and_mid_checkpoint_resumes_every_step_once(
     out = save(self, step, *a, **k)
     if step == at:
       seen["in_flight"] = not os.path.isdir(os.path.join(w, "ckpt", str(step)))
-      os.kill(os.getpid(), signal.SIGTERM)
+      signal.raise_signal(signal.SIGTERM)
     return out
 
   monkeypatch.setattr(ocp.CheckpointManager, "save", save_then_term)
@@ -507,7 +507,7 @@ def test_regenerate_interrupted_keeps_its_shards_and_resumes(tmp_path, monkeypat
 
   def write_then_interrupt(*a, **k):
     out = write(*a, **k)
-    os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C while the shard is written
+    signal.raise_signal(signal.SIGINT)  # Ctrl-C while the shard is written
     return out
 
   with monkeypatch.context() as m, pytest.raises(SystemExit) as e:
@@ -548,7 +548,7 @@ def test_regenerate_stopped_early_refuses_a_rerun_with_other_settings(tmp_path, 
 
   def write_then_interrupt(*a, **k):
     out = write(*a, **k)
-    os.kill(os.getpid(), signal.SIGINT)
+    signal.raise_signal(signal.SIGINT)
     return out
 
   with monkeypatch.context() as m, pytest.raises(SystemExit) as e:
@@ -617,7 +617,7 @@ def test_eval_interrupted_keeps_its_cells_and_resumes(tmp_path, prompts_file, mo
   def term_in_second_cell(*a, **k):
     calls.append(1)
     if len(calls) == 2:
-      os.kill(os.getpid(), signal.SIGTERM)  # a scheduler, while the cell runs
+      signal.raise_signal(signal.SIGTERM)  # a scheduler, while the cell runs
     return run_cell(*a, **k)
 
   monkeypatch.setattr(cells, "run_cell", term_in_second_cell)
@@ -650,7 +650,7 @@ def test_eval_rerun_with_other_settings_is_refused_even_before_its_first_cell(
   run_cell = cells.run_cell
 
   def term_in_first_cell(*a, **k):
-    os.kill(os.getpid(), signal.SIGTERM)
+    signal.raise_signal(signal.SIGTERM)
     return run_cell(*a, **k)
 
   with monkeypatch.context() as m, pytest.raises(SystemExit) as e:
