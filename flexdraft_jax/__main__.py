@@ -28,6 +28,8 @@ def main():
           "add --help after a command for its flags", file=sys.stdout if asked else sys.stderr)
     sys.exit(0 if asked else 2)
   command = sys.argv[1]
+  from flexdraft_jax import cli_util
+  cli_util.OWN_PROCESS = True  # this process is the command's: a stop ends it directly
   module = importlib.import_module(COMMANDS[command])
   module.run([f"flexdraft_jax {command}"] + sys.argv[2:])
 

@@ -10,6 +10,12 @@ from flexdraft_jax import run_control
 from flexdraft_jax.model.config import FlexDraftError
 
 
+# Whether the command owns its process (`python -m flexdraft_jax`, which sets
+# it): then a stop ends the process through `run_control.exit_now`; a command
+# run in-process (tests, notebooks) exits with SystemExit.
+OWN_PROCESS = False
+
+
 def define_compile_cache_flag() -> None:
   """`--compile_cache`, every command's: where compiled programs are kept.
   (Re)defined at its default: a process may run several commands."""
@@ -64,19 +70,31 @@ def run_main(main, argv, doc: str = "", key_flags=("config", "workdir")):
       print(f"error: {e}", file=sys.stderr)
       sys.exit(1)
     except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM (run_control.Stopped)
-      e = e if isinstance(e, run_control.Stopped) else run_control.stopped(e, "")
-      where = e.where or f"{argv[0].split()[-1]} stopped"
-      print(f"stopped by {e.signame}: {where}; to resume, run: "
-            f"{run_control.resume_command(argv)}", file=sys.stderr, flush=True)
-      sys.exit(128 + e.signum)
+      _stopped(e, argv)
 
   try:
     app.run(wrapped, argv=argv, flags_parser=_parse_flags)
+  except KeyboardInterrupt as e:  # Ctrl-C while absl parsed the flags
+    _stopped(e, argv)
   except (AttributeError, KeyError, OSError, SyntaxError, TypeError, ValueError) as e:
     if started:  # raised by the command itself: a bug, keep the traceback
       raise
     print(f"error: {_config_error(argv, e)}", file=sys.stderr)
     sys.exit(1)
+
+
+def _stopped(e: KeyboardInterrupt, argv) -> None:
+  """The stop line (`stopped by SIGTERM: …; to resume, run: …`), then exit
+  128 + the signal: through `run_control.exit_now` when the command owns its
+  process (OWN_PROCESS), else SystemExit."""
+  run_control.finishing()  # a second signal from here on changes nothing
+  e = e if isinstance(e, run_control.Stopped) else run_control.stopped(e, "")
+  where = e.where or f"{argv[0].split()[-1]} stopped"
+  print(f"stopped by {e.signame}: {where}; to resume, run: "
+        f"{run_control.resume_command(argv)}", file=sys.stderr, flush=True)
+  if OWN_PROCESS:
+    run_control.exit_now(128 + e.signum)
+  sys.exit(128 + e.signum)
 
 
 HELP_FLAGS = ("--help", "-?", "--helpshort", "--helpfull", "--helpxml")

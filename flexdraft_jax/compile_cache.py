@@ -22,6 +22,7 @@ version, the CPU's flags): programs made under anything else are never read.
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import platform
 import threading
@@ -104,8 +105,7 @@ def use_compile_cache(folder=None, *, explicit: bool = True):
                            f"--compile_cache or ${ENV}, or 'off')")
     path = os.path.join(root, version_key())
     if path != jax.config.jax_compilation_cache_dir:
-      from jax.experimental.compilation_cache import compilation_cache
-      compilation_cache.reset_cache()  # JAX reads its folder once: this one from now on
+      _reset_jax_cache()  # JAX reads its folder once: this one from now on
       jax.config.update("jax_compilation_cache_dir", path)
     jax.config.update("jax_enable_compilation_cache", True)
     if jax.config.jax_persistent_cache_min_compile_time_secs > MIN_COMPILE_SECONDS:
@@ -114,6 +114,22 @@ def use_compile_cache(folder=None, *, explicit: bool = True):
       jax.config.update("jax_compilation_cache_max_size", MAX_BYTES)
     _state.update(folder=path, done=True, explicit=explicit)
     return path
+
+
+def _reset_jax_cache() -> None:
+  """Makes JAX forget the cache folder it read (it reads one once, at its first
+  compile), quietly: JAX logs every reset at INFO ("Resetting cache at
+  <empty>."), and absl, which runs every command, shows INFO on stderr, so that
+  line came first in every command, before a bad input's `error: ...` line."""
+  from jax.experimental.compilation_cache import compilation_cache
+  logger = logging.getLogger(compilation_cache.reset_cache.__module__)
+  level = logger.level
+  if logger.getEffectiveLevel() < logging.WARNING:
+    logger.setLevel(logging.WARNING)
+  try:
+    compilation_cache.reset_cache()
+  finally:
+    logger.setLevel(level)
 
 
 def ensure() -> None:

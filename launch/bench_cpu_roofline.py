@@ -13,8 +13,9 @@ decode matmul kernel (flexdraft_jax/kernels/cpu_matmul.py) beside XLA's dot at
 - The matmul: `x[N, I] @ w[O, I].T` (default a [1536, 576] MLP weight of
   SmolLM2-135M) over `--weights` distinct weights, so each call streams its
   weight from DRAM as a decode step does; µs a call (the best of `--reps`),
-  the weight's GB/s and the GFLOP/s, for the kernel and for XLA's dot, both
-  jitted with every core in XLA's pool. A memory-bound call costs the same
+  the weight's GB/s and the GFLOP/s, for the kernel and for XLA's dot as
+  decoding runs it without the kernel (`transformer.xla_matmul_t`, the
+  `FLEXDRAFT_CPU_MATMUL=0` path), both jitted with every core in XLA's pool. A memory-bound call costs the same
   for 1 row as for 8; past the ridge (N rows do N/2 flops a weight byte: N =
   2 x peak FLOP/s / stream bytes/s, printed) rows add their multiply-adds.
 - Step costs: SmolLM2-135M decoding the first GSM8K test question (or a fixed
@@ -110,6 +111,7 @@ def matmuls(rows, O: int, I: int, n_weights: int, reps: int) -> list:
   import jax.numpy as jnp
   import numpy as np
   from flexdraft_jax.kernels import cpu_matmul
+  from flexdraft_jax.model import transformer
   rng = np.random.default_rng(0)
   ws = [jnp.asarray(rng.standard_normal((O, I), np.float32)) for _ in range(n_weights)]
 
@@ -124,7 +126,7 @@ def matmuls(rows, O: int, I: int, n_weights: int, reps: int) -> list:
     return jax.jit(f)
 
   fns = {"kernel": chain(cpu_matmul.matmul_t),
-         "xla_dot": chain(lambda w, x: jnp.dot(x, w.T, precision="highest"))}
+         "xla_dot": chain(transformer.xla_matmul_t)}
   out = []
   for n in rows:
     x = jnp.asarray(rng.standard_normal((n, I), np.float32))

@@ -73,20 +73,26 @@ def main(argv):
           f"{drafter.config.block_size}", flush=True)
   prompts = modes_bench.gsm8k_prompts(target, FLAGS.data_dir or data_root(),
                                       max(sizes) * FLAGS.batches, FLAGS.dataset)
+  def write(result):  # after each batch size too: a stopped run keeps what it timed
+    result.update(dataset=FLAGS.dataset, target=FLAGS.target, drafter=FLAGS.drafter or "random",
+                  note=note)
+    md = modes_bench.markdown(result)
+    for path, text in ((FLAGS.out_json, json.dumps(result, indent=1)), (FLAGS.out_md, md)):
+      if path:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path + ".tmp", "w") as f:
+          f.write(text)
+        os.replace(path + ".tmp", path)
+    return md
+
   result = modes_bench.run(target, drafter, prompts, batch_sizes=sizes, settings=settings,
                            max_new_tokens=FLAGS.max_new_tokens, repeats=FLAGS.repeats,
                            batches=FLAGS.batches, attn_impl=FLAGS.attn_impl,
                            temperature=FLAGS.temperature,
                            draft_sampling={"auto": None, "on": True,
-                                           "off": False}[FLAGS.draft_sampling])
-  result.update(dataset=FLAGS.dataset, target=FLAGS.target, drafter=FLAGS.drafter or "random", note=note)
-  md = modes_bench.markdown(result)
-  print(md, flush=True)
-  for path, text in ((FLAGS.out_json, json.dumps(result, indent=1)), (FLAGS.out_md, md)):
-    if path:
-      os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-      with open(path, "w") as f:
-        f.write(text)
+                                           "off": False}[FLAGS.draft_sampling],
+                           on_batch=write)
+  print(write(result), flush=True)
   return 0 if all(r.get("lossless", True) is not False for r in result["results"]) else 1
 
 

@@ -13,6 +13,8 @@ import importlib.util
 import json
 import os
 import re
+import subprocess
+import sys
 import warnings
 
 import numpy as np
@@ -37,9 +39,12 @@ class Case(dict):
   """surface, bad (what is wrong), argv (a CLI command) or call (Python), line."""
 
 
-def cli(surface, bad, argv, line, model=False, env=None):
-  """`env`: environment variables the command runs with (`bad` names them)."""
-  return Case(surface=surface, bad=bad, argv=argv, line=line, model=model, env=env or {})
+def cli(surface, bad, argv, line, model=False, env=None, fresh=False):
+  """`env`: environment variables the command runs with (`bad` names them);
+  `fresh`: run in a process of its own (`python -m flexdraft_jax`), whose
+  whole stderr must be `line` (what a process that ran nothing before prints)."""
+  return Case(surface=surface, bad=bad, argv=argv, line=line, model=model, env=env or {},
+              fresh=fresh)
 
 
 def api(bad, call, line, warning=False, surface="generate()"):
@@ -132,6 +137,9 @@ CASES = [
         ["generate", *GEN, "--compile_cache", "{d}/afile"],
         "error: the compile cache {d}/afile is not a folder (set another with "
         "--compile_cache or $FLEXDRAFT_COMPILE_CACHE, or 'off')"),
+    cli("generate", "`--top-p 0` in a new process (JAX's INFO line `Resetting cache at "
+        "<empty>.` came first on stderr)", ["generate", *GEN, "--top-p", "0"],
+        "error: --top-p must be in (0, 1], got 0.0", fresh=True),
     # ------------------------------------------------ generate() in Python ----
     api("`sampling=SamplingParams(temperature=float(\"nan\"))`",
         dict(sampling=lambda t: fd.SamplingParams(temperature=float("nan"))),
@@ -607,6 +615,8 @@ def test_cli_bad_input_prints_one_line(case, bad_files, monkeypatch, capsys,
   line = _fill(case["line"], d, ro)
   if "{ro}" in case["argv"][-1] and os.access(ro, os.W_OK):
     pytest.skip("running as root: a read-only directory is writable")
+  if case["fresh"]:
+    return _fresh_process_prints(argv, line, d)
   if argv[0] == OFFLINE:
     command = lambda: _offline_script(monkeypatch).main(argv[1:])
   else:
@@ -623,6 +633,18 @@ def test_cli_bad_input_prints_one_line(case, bad_files, monkeypatch, capsys,
     assert e.value.code == 1
     assert err.strip().splitlines()[-1] == line, err
     assert sum(x.startswith("error:") for x in err.splitlines()) == 1
+
+
+def _fresh_process_prints(argv, line, d):
+  """`python -m flexdraft_jax ARGV` in a new process prints `line` alone on
+  stderr: nothing before it (a library's log line), nothing after, exit 1."""
+  env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu", FLEXDRAFT_COST_CACHE="",
+             FLEXDRAFT_COMPILE_CACHE=os.path.join(d, "xla"))
+  env.pop("JAX_COMPILATION_CACHE_DIR", None)  # a folder of JAX's own: never reset
+  r = subprocess.run([sys.executable, "-m", "flexdraft_jax", *argv], cwd=REPO, env=env,
+                     capture_output=True, text=True, timeout=300)
+  assert r.returncode == 1, r.stderr
+  assert r.stderr.splitlines() == [line], r.stderr
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if "call" in c], ids=_id)

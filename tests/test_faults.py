@@ -6,6 +6,7 @@ and a rerun goes on with nothing lost or repeated."""
 from __future__ import annotations
 
 import csv
+import gc
 import glob
 import json
 import os
@@ -91,16 +92,121 @@ def test_held_signals_wait_for_the_caller_and_a_second_one_acts_at_once():
   before = signal.getsignal(signal.SIGTERM)
   with run_control.stop_on_signals():
     with run_control.held():
-      os.kill(os.getpid(), signal.SIGTERM)
+      signal.raise_signal(signal.SIGTERM)
       with run_control.critical():  # a write inside: still held when it ends
         pass
       assert run_control.pending() == signal.SIGTERM
       with pytest.raises(run_control.Stopped) as e:
-        os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C again: no waiting
+        signal.raise_signal(signal.SIGINT)  # Ctrl-C again: no waiting
         time.sleep(1)
       assert e.value.signum == signal.SIGINT
   assert run_control.pending() is None
   assert signal.getsignal(signal.SIGTERM) is before  # the handlers are given back
+
+
+class _SignalInGc:
+  """A gc callback that sends `signals` to this process, one per call, while
+  `armed()`: Python drops what a signal handler raises in a gc callback."""
+
+  def __init__(self, *signals, armed=lambda: True):
+    self.signals, self.armed, self.sent = list(signals), armed, []
+
+  def __call__(self, phase, info):
+    if self.signals and self.armed():
+      self.sent.append(self.signals[0])
+      signal.raise_signal(self.signals.pop(0))
+      sum(range(100))  # bytecode in the callback, where the handler runs
+
+  def __enter__(self):
+    gc.callbacks.append(self)
+    return self
+
+  def __exit__(self, *exc):
+    gc.callbacks.remove(self)
+
+
+def test_a_stop_raised_in_a_gc_callback_is_not_lost(capsys):
+  before = signal.getsignal(signal.SIGTERM)
+  collected = []
+  with run_control.stop_on_signals():
+    with _SignalInGc(signal.SIGINT) as inject, pytest.raises(run_control.Stopped) as e:
+      for i in range(3):
+        gc.collect()  # the Stopped raised in the callback is dropped here ...
+        collected.append(i)
+        run_control.check()  # ... and raised again here
+    assert inject.sent == [signal.SIGINT] and collected == [0]
+    assert e.value.signum == signal.SIGINT
+    # A second signal is still the project's (Python's default would end the
+    # process on SIGTERM): it raises at once.
+    assert signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, signal.SIG_IGN)
+    with pytest.raises(run_control.Stopped) as e:
+      signal.raise_signal(signal.SIGTERM)
+      time.sleep(1)
+    assert e.value.signum == signal.SIGTERM
+  assert signal.getsignal(signal.SIGTERM) is before
+  run_control.check()  # the run is over: nothing is left to raise
+  assert "Exception ignored" not in capsys.readouterr().err  # not reported as lost
+
+
+def test_generate_stops_on_a_signal_that_landed_in_a_gc_callback(monkeypatch):
+  from flexdraft_jax.decoding import driver
+  target = tiny.tiny_target()
+  chunk, calls, collecting, collected = driver.Driver._chunk, [], [], []
+
+  def chunk_then_collect(self, *a, **k):  # a collection after the first chunk
+    out = chunk(self, *a, **k)
+    calls.append(1)
+    if len(calls) == 1:
+      collecting.append(1)
+      gc.collect()
+      collecting.pop()
+      collected.append(1)
+    return out
+
+  monkeypatch.setattr(driver.Driver, "_chunk", chunk_then_collect)
+  stream = dict(runtime=fd.RuntimeOptions(steps_per_call=2))
+  with run_control.stop_on_signals(), _SignalInGc(signal.SIGTERM, armed=lambda: collecting):
+    with pytest.raises(run_control.Stopped) as e:
+      list(fd.generate_stream(target, [[3, 4, 5]], max_new_tokens=40, **stream))
+  assert e.value.signum == signal.SIGTERM
+  assert collected == [1]  # the collection ended: its callback's Stopped was dropped
+  assert len(calls) == 1  # and the next chunk did not start: raised again there
+
+
+def test_a_command_stopped_twice_in_gc_callbacks_ends_cleanly(tmp_path):
+  """`python -m flexdraft_jax generate`, two SIGTERMs landing in gc callbacks
+  while it decodes: one stop line, exit 128 + 15, through `exit_now` (no
+  teardown while a computation may be in flight)."""
+  script = (
+      "import gc, os, runpy, signal, sys\n"
+      "from flexdraft_jax.decoding import driver\n"
+      "chunk, collecting, sent = driver.Driver._chunk, [], []\n"
+      "def chunk_then_collect(self, *a, **k):\n"
+      "  out = chunk(self, *a, **k)\n"
+      "  collecting.append(1)\n"
+      "  gc.collect()\n"
+      "  collecting.pop()\n"
+      "  return out\n"
+      "driver.Driver._chunk = chunk_then_collect\n"
+      "def term(phase, info):  # at the collection's start, then at its end\n"
+      "  if collecting and len(sent) < 2:\n"
+      "    sent.append(phase)\n"
+      "    signal.raise_signal(signal.SIGTERM)\n"
+      "    sum(range(100))\n"
+      "gc.callbacks.append(term)\n"
+      "sys.argv = ['flexdraft_jax'] + sys.argv[1:]\n"
+      "runpy.run_module('flexdraft_jax', run_name='__main__')\n")
+  env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu", FLEXDRAFT_COST_CACHE="",
+             FLEXDRAFT_COMPILE_CACHE=str(tmp_path / "xla"))
+  args = ["generate", "--model", "random:tiny", "--prompt", "hi", "--max-new-tokens", "200",
+          "--stream"]  # chunks of 16 steps
+  r = subprocess.run([sys.executable, "-c", script, *args], cwd=REPO, env=env,
+                     capture_output=True, text=True, timeout=300)
+  assert r.returncode == 128 + signal.SIGTERM, r.stderr[-3000:]  # not -15 (killed), 139
+  assert "Traceback" not in r.stderr and "Exception ignored" not in r.stderr, r.stderr
+  assert [x for x in _lines(r.stderr) if "stopped" in x or " tokens, decode " in x] == [
+      "stopped by SIGTERM: generate stopped; to resume, run: python -m flexdraft_jax "
+      + " ".join(args)]
 
 
 def test_a_second_train_on_a_workdir_gets_one_line(tmp_path, regen, capsys):
@@ -170,7 +276,7 @@ def test_train_interrupted_after_and_mid_checkpoint_resumes_every_step_once(
     out = save(self, step, *a, **k)
     if step == at:
       seen["in_flight"] = not os.path.isdir(os.path.join(w, "ckpt", str(step)))
-      os.kill(os.getpid(), signal.SIGTERM)
+      signal.raise_signal(signal.SIGTERM)
     return out
 
   monkeypatch.setattr(ocp.CheckpointManager, "save", save_then_term)
@@ -401,7 +507,7 @@ def test_regenerate_interrupted_keeps_its_shards_and_resumes(tmp_path, monkeypat
 
   def write_then_interrupt(*a, **k):
     out = write(*a, **k)
-    os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C while the shard is written
+    signal.raise_signal(signal.SIGINT)  # Ctrl-C while the shard is written
     return out
 
   with monkeypatch.context() as m, pytest.raises(SystemExit) as e:
@@ -442,7 +548,7 @@ def test_regenerate_stopped_early_refuses_a_rerun_with_other_settings(tmp_path, 
 
   def write_then_interrupt(*a, **k):
     out = write(*a, **k)
-    os.kill(os.getpid(), signal.SIGINT)
+    signal.raise_signal(signal.SIGINT)
     return out
 
   with monkeypatch.context() as m, pytest.raises(SystemExit) as e:
@@ -511,7 +617,7 @@ def test_eval_interrupted_keeps_its_cells_and_resumes(tmp_path, prompts_file, mo
   def term_in_second_cell(*a, **k):
     calls.append(1)
     if len(calls) == 2:
-      os.kill(os.getpid(), signal.SIGTERM)  # a scheduler, while the cell runs
+      signal.raise_signal(signal.SIGTERM)  # a scheduler, while the cell runs
     return run_cell(*a, **k)
 
   monkeypatch.setattr(cells, "run_cell", term_in_second_cell)
@@ -544,7 +650,7 @@ def test_eval_rerun_with_other_settings_is_refused_even_before_its_first_cell(
   run_cell = cells.run_cell
 
   def term_in_first_cell(*a, **k):
-    os.kill(os.getpid(), signal.SIGTERM)
+    signal.raise_signal(signal.SIGTERM)
     return run_cell(*a, **k)
 
   with monkeypatch.context() as m, pytest.raises(SystemExit) as e:

@@ -34,14 +34,22 @@ print(json.dumps({"stats": out.stats, "tokens": out.token_ids, "traced": len(tra
 """
 
 
-def _decode(cache: str, kept: str = "on") -> dict:
+def _run(cache: str, kept: str = "on", prelude: str = ""):
   env = dict(os.environ, FLEXDRAFT_COMPILE_CACHE=cache, FLEXDRAFT_KEPT_PROGRAMS=kept,
              JAX_PLATFORMS="cpu")
   env.pop("JAX_COMPILATION_CACHE_DIR", None)
-  r = subprocess.run([sys.executable, "-c", SCRIPT], cwd=REPO, env=env,
-                     capture_output=True, text=True, timeout=600)
-  assert r.returncode == 0, r.stderr[-3000:]
-  return json.loads(r.stdout.strip().splitlines()[-1])
+  return subprocess.run([sys.executable, "-c", prelude + SCRIPT], cwd=REPO, env=env,
+                        capture_output=True, text=True, timeout=600)
+
+
+def _decode(cache: str, kept: str = "on", prelude: str = "") -> dict:
+  """SCRIPT's output in a process of its own (a crash, 139 / -11, fails), with
+  its `warning:` lines."""
+  r = _run(cache, kept, prelude)
+  assert r.returncode == 0, f"exit status {r.returncode}: {r.stderr[-3000:]}"
+  out = json.loads(r.stdout.strip().splitlines()[-1])
+  out["warnings"] = [x for x in r.stderr.splitlines() if x.startswith("warning:")]
+  return out
 
 
 def _kept(stats) -> list:
@@ -216,3 +224,143 @@ def test_kept_programs_follow_the_compile_cache(monkeypatch, tmp_path):
   monkeypatch.setenv(kept_programs.ENV, "on")
   monkeypatch.setattr(compile_cache, "folder", lambda: None)  # the compile cache off
   assert kept_programs.folder() is None
+
+
+def _prefill(stats) -> str:
+  folder = os.path.join(stats["compile_cache"], kept_programs.SUBFOLDER)
+  (name,) = [f for f in os.listdir(folder)
+             if f.startswith("prefill_batch-") and f.endswith(kept_programs.SUFFIX)]
+  return os.path.join(folder, name)
+
+
+def _damage(path: str, how: str) -> None:
+  with open(path, "rb") as f:
+    data = bytearray(f.read())
+  if how == "flip":  # one bit in the middle of the serialized program
+    data[len(data) // 2] ^= 0x10
+  elif how == "cut":  # a copy cut short
+    data = data[:len(data) // 3]
+  elif how == "flip under a good checksum":  # damaged before its checksum was made
+    payload = bytearray(kept_programs._unpack(bytes(data)))
+    payload[len(payload) // 3] ^= 0x04
+    data = kept_programs._pack(payload)
+  with open(path, "wb") as f:
+    f.write(data)
+
+
+def test_a_damaged_kept_program_is_exported_again_never_run(tmp_path):
+  root = str(tmp_path / "xla")
+  first = _decode(root)
+  assert first["warnings"] == []
+  path = _prefill(first["stats"])
+  for how in ("flip", "cut", "flip under a good checksum"):
+    _damage(path, how)
+    with open(path, "rb") as f:
+      damaged = f.read()
+    run = _decode(root)  # no crash ...
+    assert run["tokens"] == first["tokens"], how
+    assert len(run["warnings"]) == 1, (how, run["warnings"])  # ... one line, naming it
+    assert run["warnings"][0].startswith(f"warning: the kept program {path} does not "), how
+    assert run["warnings"][0].endswith("; traced again, and the file replaced")
+    with open(path, "rb") as f:
+      replaced = f.read()
+    assert replaced != damaged and kept_programs._unpack(replaced), how
+  again = _decode(root)
+  assert again["warnings"] == [] and again["traced"] == 0  # read back, as before
+  assert not [f for f in os.listdir(os.path.dirname(path)) if kept_programs.TRIAL in f]
+
+
+# Reading the prefill program back crashes the process, as a damaged program
+# that deserializes can (SIGSEGV); a program exported in the process runs.
+CRASH_ON_READ = """
+import os, signal
+from jax import export
+_deserialize = export.deserialize
+def _crashing(data):
+  exported = _deserialize(data)
+  if "prefill" in exported.fun_name:
+    os.kill(os.getpid(), signal.SIGSEGV)
+  return exported
+export.deserialize = _crashing
+"""
+
+
+def test_a_program_that_crashed_its_process_is_exported_again_on_the_next_run(tmp_path):
+  import signal
+  root = str(tmp_path / "xla")
+  first = _decode(root, prelude=CRASH_ON_READ)  # exported, not read: it runs
+  path = _prefill(first["stats"])
+  crashed = _run(root, prelude=CRASH_ON_READ)  # read back: the process dies in it
+  assert crashed.returncode == -signal.SIGSEGV, crashed.stderr[-3000:]
+  markers = [f for f in os.listdir(os.path.dirname(path)) if kept_programs.TRIAL in f]
+  assert len(markers) == 1 and markers[0].startswith(os.path.basename(path))
+  # The next run does not read it (it would crash again): exported again.
+  run = _decode(root, prelude=CRASH_ON_READ)
+  assert run["tokens"] == first["tokens"]
+  assert len(run["warnings"]) == 1, run["warnings"]
+  assert run["warnings"][0].startswith(
+      f"warning: the kept program {path} was running for the first time in process ")
+  assert run["warnings"][0].endswith(" when that process ended (a crash?); traced again, "
+                                     "and the file replaced")
+  assert not [f for f in os.listdir(os.path.dirname(path)) if kept_programs.TRIAL in f]
+
+
+def test_kept_files_carry_a_checksum_and_trial_markers_judge_their_process(
+    kept_in, monkeypatch, capsys):
+  import socket
+  import time
+
+  import jax
+  import jax.numpy as jnp
+  monkeypatch.setenv(kept_programs.ENV, "on")
+  plus_one = kept_programs.kept(name="plus_one", static_argnames=())(
+      jax.jit(lambda x: x + 1))
+  assert plus_one(jnp.ones(3)).tolist() == [2.0] * 3
+  (name,) = os.listdir(kept_in)
+  path = os.path.join(kept_in, name)
+  with open(path, "rb") as f:
+    kept = f.read()
+  assert kept.startswith(kept_programs.HEADER)
+  with pytest.raises(ValueError, match="does not match"):
+    kept_programs._unpack(kept[:-1] + bytes([kept[-1] ^ 1]))
+  with pytest.raises(ValueError, match="no checksum header"):
+    kept_programs._unpack(kept_programs._unpack(kept))  # a file of the older format
+
+  def call(warned: str = ""):
+    plus_one.clear()
+    assert plus_one(jnp.ones(3)).tolist() == [2.0] * 3
+    err = [x for x in capsys.readouterr().err.splitlines() if x.startswith("warning:")]
+    assert err == ([f"warning: the kept program {path} {warned}; traced again, and the "
+                    "file replaced"] if warned else [])
+    assert not os.path.exists(kept_programs._marker(path))  # this process's trial ended
+
+  call()  # read back, on trial, proven
+  # A marker of a process that is gone: suspect, exported again, the marker removed.
+  import subprocess as sp
+  dead = sp.Popen([sys.executable, "-c", "pass"])
+  dead.wait()
+  here = socket.gethostname()
+  open(f"{path}{kept_programs.TRIAL}.{dead.pid}.{here}", "w").close()
+  call(f"was running for the first time in process {dead.pid} on {here} when that "
+       "process ended (a crash?)")
+  assert os.listdir(kept_in) == [name]
+  # A live process's (this host's), or another host's recent one: it may be
+  # running it now; left as it is.
+  live = f"{path}{kept_programs.TRIAL}.{os.getppid()}.{here}"
+  other = f"{path}{kept_programs.TRIAL}.1234.another-host"
+  open(live, "w").close()
+  open(other, "w").close()
+  call()
+  assert os.path.exists(live) and os.path.exists(other)
+  os.remove(live)
+  old = time.time() - kept_programs.TRIAL_SECONDS - 60  # another host's, long gone
+  os.utime(other, (old, old))
+  call("was running for the first time in process 1234 on another-host when that "
+       "process ended (a crash?)")
+  assert os.listdir(kept_in) == [name]
+  # The older format (no checksum): exported again, with one.
+  with open(path, "wb") as f:
+    f.write(kept_programs._unpack(kept))
+  call("does not read back (no checksum header: damaged, or of an older format)")
+  with open(path, "rb") as f:
+    assert f.read() == kept

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from flexdraft_jax import run_control
 from flexdraft_jax.decoding import chunk, flex, timing
 from flexdraft_jax.decoding.options import TREE, Mode
 from flexdraft_jax.util import round_up
@@ -104,6 +105,7 @@ class Driver:
     if self.policy:
       self.policy.max_new = max_new
     while True:
+      run_control.check()  # a stop whose exception was lost (run_control.py)
       done = np.asarray(state.done_B)
       if done.all():
         return

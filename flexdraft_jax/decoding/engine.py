@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from flexdraft_jax import checks, compile_cache
+from flexdraft_jax import checks, compile_cache, run_control
 from flexdraft_jax.decoding import (call_stats, capacity, decode_params, inputs, memory_maps,
                                     sharding, timing)
 from flexdraft_jax.decoding.chunk import prefill_batch
@@ -196,6 +196,7 @@ def _start(target, prompts, *, unknown, drafter, parallel_drafter, mode, max_new
     # prompt lengths differ.
     prompt_width = round_up(max(len(x) for x in ids), capacity.PROMPT_PAD)
     for start in range(0, len(ids), batch_size):
+      run_control.check()  # a stop whose exception was lost (run_control.py)
       chunk = ids[start:start + batch_size]
       memory_maps.release_if_near_limit()
       batch = _generate_batch(target, chunk, max_new_tokens, sampling,

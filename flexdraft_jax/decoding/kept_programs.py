@@ -21,21 +21,48 @@ jaxlib, machine, CPU, kernel build), so it is off with it (`--compile_cache
 off`, `$FLEXDRAFT_COMPILE_CACHE=off`); on its own, `$FLEXDRAFT_KEPT_PROGRAMS=off`
 (what the test suite sets: its tests patch functions inside the programs).
 Kept for the XLA attention on one device only (Pallas kernels and sharded
-batches trace as before); a file that does not read back is exported again.
-The folder is bounded (`MAX_BYTES`): past it, the programs read or written
-longest ago are removed (so those of an older package source, never read
-again, age out).
+batches trace as before). The folder is bounded (`MAX_BYTES`): past it, the
+programs read or written longest ago are removed (so those of an older package
+source, never read again, age out).
+
+A kept program is code the process runs, so a damaged one must never run:
+a flipped bit in one read back without error and then crashed the process
+(SIGSEGV) on every run of that shape. Two guards, each ending in one
+`warning: …` line naming the file, after which the program is traced and
+exported again, replacing the file (a file of this folder's, which only this
+module writes):
+
+- A checksum. Each file starts with a header holding the sha256 of the
+  serialized program that follows (`_pack`); a file whose header is missing
+  or whose payload does not match it (`_unpack`) is never deserialized.
+- A trial. A program read from a file is on trial in a process until its
+  first call has finished (outputs ready): an empty marker file
+  `NAME.trial.PID.HOST` beside it says so, made before the file is
+  deserialized and removed when that first call returns or raises. A marker
+  whose process is gone (this host's PID no longer runs; another host's
+  marker older than TRIAL_SECONDS) means that process died while running the
+  program for the first time: a crash that a checksum cannot see (damage
+  before it was computed, a fault in XLA). The program is then suspect and
+  exported again, so a crash never repeats on the next run. A process killed
+  for another reason in that window costs one trace, nothing more. A first
+  call that raises (its StableHLO does not deserialize or verify, say) is
+  exported again at once. Freshly exported programs are not put on trial:
+  they are what tracing makes in this process anyway.
 """
 
 from __future__ import annotations
 
 import functools
+import glob
 import hashlib
 import logging
 import os
 import pathlib
+import socket
+import sys
 import tempfile
 import threading
+import time
 
 import jax
 
@@ -50,6 +77,13 @@ SUFFIX = ".jaxexport"
 # programs are removed (a SmolLM2-135M decode program is 150-250 kB; a command
 # keeps two per batch shape and mode variant it decodes).
 MAX_BYTES = 256 << 20
+# A kept file: HEADER, the sha256 of the payload (64 hex digits), a newline,
+# then the payload (jax.export's serialized program).
+HEADER = b"flexdraft kept program sha256="
+TRIAL = ".trial"
+# Another host's trial marker older than this is taken as left by a process
+# that died (its PID cannot be checked from here).
+TRIAL_SECONDS = 3600.0
 
 _lock = threading.Lock()
 _KEPT = []  # every KeptProgram, for `clear`
@@ -123,8 +157,11 @@ class KeptProgram:
     signature = (static, tree, tuple((x.aval, x.sharding) for x in leaves))
     program = self._programs.get(signature)
     if program is None:
-      program = self._load_or_export(root, static, tree, leaves, args, kwargs)
+      path = os.path.join(root, self.key(static, tree, leaves))
+      program, on_trial = self._load_or_export(path, args, kwargs)
       self._programs[signature] = program
+      if on_trial:
+        return self._first_call(program, path, signature, args, kwargs, dynamic)
     return program(*args, **dynamic)
 
   def key(self, static, tree, leaves) -> str:
@@ -141,30 +178,61 @@ class KeptProgram:
       h.update(b"\0")
     return f"{self.name}-{h.hexdigest()[:40]}{SUFFIX}"
 
-  def _load_or_export(self, root, static, tree, leaves, args, kwargs):
+  def _load_or_export(self, path, args, kwargs):
+    """(the program for these arguments, whether it is on trial): the kept
+    file's, read back and checked, else traced and exported into `path`."""
     from jax import export
     _register_trees()
-    path = os.path.join(root, self.key(static, tree, leaves))
-    exported = None
     if os.path.exists(path):
-      try:
-        with open(path, "rb") as f:
-          exported = export.deserialize(bytearray(f.read()))
-        _touch(path)  # recently used: the last to be evicted
-      except Exception as e:  # damaged or from an older format: export it again
-        log.warning("flexdraft_jax: %s does not read back (%s); tracing it again",
-                    path, str(e).splitlines()[0] if str(e) else type(e).__name__)
-    if exported is None:
-      exported = export.export(self.jitted, disabled_checks=_custom_calls())(
-          *args, **kwargs)
-      try:
-        data = exported.serialize()
-      except ImportError as e:  # jax.export's serializer needs `flatbuffers`
-        log.warning("flexdraft_jax: traced programs are not kept (%s)", e)
-        return functools.partial(self.jitted, **dict(static))
-      if _write(path, data):
-        _evict(root, keep=path)
+      why = _suspect(path)
+      if why is None:
+        marker = _begin_trial(path)
+        try:
+          with open(path, "rb") as f:
+            exported = export.deserialize(bytearray(_unpack(f.read())))
+          _touch(path)  # recently used: the last to be evicted
+          return jax.jit(exported.call, donate_argnums=self.donate_argnums), True
+        except Exception as e:  # damaged, unreadable or of an older format
+          _end_trial(marker)
+          why = f"does not read back ({_first_line(e)})"
+      _warn_damaged(path, why)
+    return self._export(path, args, kwargs), False
+
+  def _export(self, path, args, kwargs):
+    """Traces and exports the program, and keeps it in `path` (replacing
+    what is there, and the trial markers of processes that are gone)."""
+    from jax import export
+    exported = export.export(self.jitted, disabled_checks=_custom_calls())(*args, **kwargs)
+    try:
+      data = exported.serialize()
+    except ImportError as e:  # jax.export's serializer needs `flatbuffers`
+      log.warning("flexdraft_jax: traced programs are not kept (%s)", e)
+      static = {k: v for k, v in kwargs.items() if k in self.static_argnames}
+      return functools.partial(self.jitted, **static)
+    if _write(path, _pack(data)):
+      for marker in _dead_markers(path):
+        _end_trial(marker)
+      _evict(os.path.dirname(path), keep=path)
     return jax.jit(exported.call, donate_argnums=self.donate_argnums)
+
+  def _first_call(self, program, path, signature, args, kwargs, dynamic):
+    """The first call of a program read back from `path`, on trial until its
+    outputs are ready. An error from it (its StableHLO does not deserialize
+    or verify, say) exports the program again and calls that: an error of the
+    call's own comes back from the traced program too."""
+    marker = _marker(path)
+    try:
+      out = program(*args, **dynamic)
+      jax.block_until_ready(out)
+      return out
+    except Exception as e:  # e.g. raised while lowering or compiling it
+      error = e
+    finally:
+      _end_trial(marker)
+    _warn_damaged(path, f"does not run ({_first_line(error)})")
+    program = self._export(path, args, kwargs)
+    self._programs[signature] = program
+    return program(*args, **dynamic)
 
   def clear(self):
     self._programs.clear()
@@ -189,6 +257,97 @@ def _custom_calls():
   from flexdraft_jax.kernels import cpu_matmul
   return [export.DisabledSafetyCheck.custom_call(t)
           for t in (cpu_matmul._TARGET, cpu_matmul._TARGET_BF16)]
+
+
+def _pack(data) -> bytes:
+  """A kept file's bytes: the checksum header, then `data`."""
+  data = bytes(data)
+  return HEADER + hashlib.sha256(data).hexdigest().encode() + b"\n" + data
+
+
+def _unpack(blob: bytes) -> bytes:
+  """The serialized program in a kept file's bytes; ValueError if the header
+  is missing or the checksum does not match."""
+  if not blob.startswith(HEADER):
+    raise ValueError("no checksum header: damaged, or of an older format")
+  digest_end = len(HEADER) + 64
+  digest, payload = blob[len(HEADER):digest_end], blob[digest_end + 1:]
+  if blob[digest_end:digest_end + 1] != b"\n" or (
+      hashlib.sha256(payload).hexdigest().encode() != digest):
+    raise ValueError("its sha256 does not match its header: damaged")
+  return payload
+
+
+def _first_line(e: BaseException) -> str:
+  return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+
+
+def _warn_damaged(path: str, why: str) -> None:
+  print(f"warning: the kept program {path} {why}; traced again, and the file replaced",
+        file=sys.stderr, flush=True)
+
+
+def _marker(path: str) -> str:
+  """This process's trial marker for the program in `path`."""
+  return f"{path}{TRIAL}.{os.getpid()}.{socket.gethostname()}"
+
+
+def _markers(path: str) -> list:
+  """[(marker, pid, host)] of the trial markers beside `path`."""
+  found = []
+  for marker in glob.glob(glob.escape(path) + TRIAL + ".*"):
+    pid, _, host = marker[len(path) + len(TRIAL) + 1:].partition(".")
+    if pid.isdigit():
+      found.append((marker, int(pid), host))
+  return found
+
+
+def _dead_markers(path: str) -> list:
+  """The trial markers beside `path` whose process is gone (see the module's
+  docstring); never this process's."""
+  from flexdraft_jax.run_control import process_alive
+  here, dead = socket.gethostname(), []
+  for marker, pid, host in _markers(path):
+    if host == here:
+      if pid != os.getpid() and not process_alive(pid):
+        dead.append(marker)
+    else:
+      try:
+        if time.time() - os.path.getmtime(marker) > TRIAL_SECONDS:
+          dead.append(marker)
+      except OSError:  # removed meanwhile
+        pass
+  return dead
+
+
+def _suspect(path: str):
+  """Why the program in `path` must not run (a process died running it for
+  the first time), or None."""
+  dead = _dead_markers(path)
+  if not dead:
+    return None
+  pid, _, host = dead[0][len(path) + len(TRIAL) + 1:].partition(".")
+  return (f"was running for the first time in process {pid} on {host} when that "
+          "process ended (a crash?)")
+
+
+def _begin_trial(path: str) -> str:
+  """Puts the program in `path` on trial in this process (its marker made;
+  a folder that cannot be written holds no marker)."""
+  marker = _marker(path)
+  try:
+    with open(marker, "wb"):
+      pass
+  except OSError:
+    pass
+  return marker
+
+
+def _end_trial(marker: str) -> None:
+  try:
+    os.unlink(marker)
+  except OSError:  # never made (a read-only folder), or removed already
+    pass
 
 
 def _write(path: str, data) -> bool:
@@ -243,7 +402,9 @@ def _evict(root: str, keep: str) -> None:
     except FileNotFoundError:  # another process evicted it first
       total -= size
     except OSError:
-      pass
+      continue
+    for marker, _, _ in _markers(path):
+      _end_trial(marker)
 
 
 def clear() -> None:

@@ -90,13 +90,20 @@ def matmul_t(w_OxI, x_BxTxI, preferred_element_type=None):
   x_NxI = x_BxTxI.reshape(N, I)
   if cpu_matmul.supports(w_OxI, x_NxI) and preferred_element_type in (None, jnp.float32):
     return cpu_matmul.matmul_t(w_OxI, x_NxI).reshape(B, T, w_OxI.shape[0])
+  return xla_matmul_t(w_OxI, x_NxI, preferred_element_type).reshape(B, T, w_OxI.shape[0])
+
+
+def xla_matmul_t(w_OxI, x_NxI, preferred_element_type=None):
+  """`x @ w.T` `[N, O]` through XLA's dot, as `matmul_t` runs it without the
+  CPU kernel."""
+  N = x_NxI.shape[0]
   pad = -N % 8 if N > 4 else 0
   if pad:
     x_NxI = jnp.pad(x_NxI, ((0, pad), (0, 0)))
   x_IxN = jax.lax.optimization_barrier(x_NxI.T)
   y_OxN = jax.lax.optimization_barrier(jnp.einsum(
       "OI,IN->ON", w_OxI, x_IxN, preferred_element_type=preferred_element_type))
-  return y_OxN[:, :N].T.reshape(B, T, w_OxI.shape[0])
+  return y_OxN[:, :N].T
 
 
 def _project_qkv(ap, x_BxTxH, pos_BxT, cfg: ModelConfig):
