@@ -913,6 +913,11 @@ def test_step_cost_key_names_the_cost_model_version_and_the_draft_pass(monkeypat
 
 def test_step_cost_cache_location_and_failures(target, tmp_path, monkeypatch):
   monkeypatch.delenv("FLEXDRAFT_COST_CACHE", raising=False)
+  # the other caches under $XDG_CACHE_HOME stay where they are (run alone, this
+  # test would otherwise build the CPU kernel and keep programs in tmp_path/xdg)
+  from flexdraft_jax.kernels import cpu_matmul
+  monkeypatch.setenv("FLEXDRAFT_KERNEL_CACHE", cpu_matmul.cache_dir())
+  monkeypatch.setenv("FLEXDRAFT_COMPILE_CACHE", "off")
   monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
   assert step_costs.cost_cache_path() == str(tmp_path / "xdg" / "flexdraft_jax" / "step_costs.json")
   assert step_costs.cost_cache_path(None) is None
