@@ -496,13 +496,15 @@ def test_resumed_metrics_drop_a_row_a_killed_run_cut_short(tmp_path):
 
 # -------------------------------------------------- interrupting regenerate ----
 
-def test_regenerate_interrupted_keeps_its_shards_and_resumes(tmp_path, monkeypatch, capsys):
+def _regenerate_interrupted(tmp_path, monkeypatch, mbpp: int):
+  """A tiny regenerate (4 GSM8K + `mbpp` MBPP prompts, 2 a shard) stopped by
+  Ctrl-C while its first shard is written; returns (regen_dir, argv)."""
   monkeypatch.setenv("FLEXDRAFT_DATA", data_fixture.write(str(tmp_path / "data")))
   regen_dir = str(tmp_path / "regen")
   argv = ["flexdraft_jax regenerate", f"--config={TINY}",
           f"--config.data.regen_dir={regen_dir}", "--config.data.max_new_tokens=3",
           "--config.data.batch_size=2", "--config.data.mix.gsm8k=4",
-          "--config.data.mix.mbpp=2", "--config.data.mix.arena_hard_v01=0"]
+          f"--config.data.mix.mbpp={mbpp}", "--config.data.mix.arena_hard_v01=0"]
   write = regen_store.write_shard
 
   def write_then_interrupt(*a, **k):
@@ -514,6 +516,11 @@ def test_regenerate_interrupted_keeps_its_shards_and_resumes(tmp_path, monkeypat
     m.setattr(regen_store, "write_shard", write_then_interrupt)
     regenerate.run(argv)
   assert e.value.code == 128 + signal.SIGINT
+  return regen_dir, argv
+
+
+def test_regenerate_interrupted_keeps_its_shards_and_resumes(tmp_path, monkeypatch, capsys):
+  regen_dir, argv = _regenerate_interrupted(tmp_path, monkeypatch, mbpp=2)
   err = capsys.readouterr().err
   assert "Traceback" not in err
   shards = regen_store.shard_dir(regen_dir)
@@ -538,23 +545,7 @@ def test_regenerate_stopped_early_refuses_a_rerun_with_other_settings(tmp_path, 
   # The settings are on disk before the first shard: a run stopped before its end
   # (before it used to write meta.json) cannot be continued with others.
   from flexdraft_jax.model import loading
-  monkeypatch.setenv("FLEXDRAFT_DATA", data_fixture.write(str(tmp_path / "data")))
-  regen_dir = str(tmp_path / "regen")
-  argv = ["flexdraft_jax regenerate", f"--config={TINY}",
-          f"--config.data.regen_dir={regen_dir}", "--config.data.max_new_tokens=3",
-          "--config.data.batch_size=2", "--config.data.mix.gsm8k=4",
-          "--config.data.mix.mbpp=0", "--config.data.mix.arena_hard_v01=0"]
-  write = regen_store.write_shard
-
-  def write_then_interrupt(*a, **k):
-    out = write(*a, **k)
-    signal.raise_signal(signal.SIGINT)
-    return out
-
-  with monkeypatch.context() as m, pytest.raises(SystemExit) as e:
-    m.setattr(regen_store, "write_shard", write_then_interrupt)
-    regenerate.run(argv)
-  assert e.value.code == 128 + signal.SIGINT
+  regen_dir, argv = _regenerate_interrupted(tmp_path, monkeypatch, mbpp=0)
   meta_path = os.path.join(regen_dir, "meta.json")
   assert json.load(open(meta_path))["max_new_tokens"] == 3  # written before the shard
   before = _tree(regen_dir)
